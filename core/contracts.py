@@ -1,0 +1,63 @@
+"""The small contracts plugins implement: algorithms, rewards, samplers, selectors."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+StageKind = Literal[
+    "select", "sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "evaluate"
+]
+TRAINING_KINDS = ("sft", "reward_model", "prm", "preference", "rl")
+
+
+class PluginConfig(BaseModel):
+    """Base for every plugin's `Config`: unknown fields are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Algorithm:
+    """A training objective for one stage kind; a stage builds its inputs from the flags below."""
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    stage: ClassVar[str] = ""
+    requires_reference: ClassVar[bool] = False  # frozen reference model log-probs
+    requires_critic: ClassVar[bool] = False  # a value head trained alongside the policy
+    requires_pairs: ClassVar[bool] = False  # prompt/chosen/rejected rows
+    requires_labels: ClassVar[bool] = False  # prompt/completion/label rows (unpaired)
+
+    def __init__(self, config: PluginConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+
+class Sampler:
+    """Generates `n` completions per prompt: token ids, text, and log-probs when it has them."""
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    online: ClassVar[bool] = True  # takes new policy weights after each update
+
+    def __init__(self, config: PluginConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+
+class Selector:
+    """Chooses or reorders dataset rows before training (filters, curricula, dedup)."""
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+
+    def __init__(self, config: PluginConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+
+RewardFn = Callable[..., "list[float | None]"]
+
+
+def plugin_config_model(obj: Any) -> type[BaseModel] | None:
+    """The pydantic model that validates a plugin's `config:` block; None if it takes no config."""
+    model = getattr(obj, "Config", None)
+    if inspect.isclass(model) and issubclass(model, BaseModel):
+        return model
+    return None

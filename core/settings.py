@@ -1,0 +1,74 @@
+"""Stage-level settings (optimisation, batching, generation), one pydantic model per stage kind."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from alignflow.core.contracts import PluginConfig
+
+
+class TrainSettings(PluginConfig):
+    """What every training stage shares: the optimiser, schedule, batching and engine."""
+
+    seed: int | None = None  # None: the pipeline's seed
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    lr: float = 1e-4
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    weight_decay: float = 0.0
+    batch_size: int = Field(16, ge=1)  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = Field(16, ge=1)  # sequences per forward pass on one rank
+    max_length: int = Field(512, ge=8)
+    grad_clip: float = 1.0
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    save_every: int = Field(50, ge=1)  # optimizer steps between resumable checkpoints
+
+
+class GenerationSettings(PluginConfig):
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class RLSettings(TrainSettings):
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)  # G completions per prompt
+    ppo_epochs: int = Field(1, ge=1)  # mu: update passes over each rollout batch
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    eval_every: int = Field(0, ge=0)
+
+
+class SelectSettings(PluginConfig):
+    seed: int | None = None
+
+
+class SampleSettings(PluginConfig):
+    seed: int | None = None
+    n: int = Field(4, ge=1)  # completions per prompt
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+
+class EvaluateSettings(SampleSettings):
+    k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
+    n: int = Field(1, ge=1)
+    generation: GenerationSettings = Field(default_factory=lambda: GenerationSettings(temperature=0.0))
+
+
+SETTINGS: dict[str, type[PluginConfig]] = {
+    "select": SelectSettings,
+    "sft": TrainSettings,
+    "reward_model": TrainSettings,
+    "prm": TrainSettings,
+    "preference": TrainSettings,
+    "rl": RLSettings,
+    "rejection_sampling": SampleSettings,
+    "evaluate": EvaluateSettings,
+}
+
+
+def settings_model(kind: str) -> type[PluginConfig]:
+    return SETTINGS[kind]

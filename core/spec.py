@@ -1,0 +1,207 @@
+"""Pipeline specs: pydantic models for the YAML, plugin-aware validation, and the stage DAG."""
+
+from __future__ import annotations
+
+import graphlib
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from alignflow.core.contracts import StageKind, plugin_config_model
+from alignflow.core.errors import PluginError, SpecError
+
+STAGE_REF = "stage:"
+
+# What each stage kind reads, which plugins it takes, and which inputs it cannot run without.
+KIND_RULES: dict[str, dict[str, Any]] = {
+    "select": {"inputs": {"dataset"}, "required": {"dataset"}, "plugins": {"selectors"}},
+    "sft": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
+            "plugins": {"algorithm"}},
+    "reward_model": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
+                     "plugins": {"algorithm"}},
+    "prm": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
+            "plugins": {"algorithm"}},
+    "preference": {"inputs": {"model", "dataset", "reference", "eval_dataset"},
+                   "required": {"model", "dataset"}, "plugins": {"algorithm"}},
+    "rl": {"inputs": {"model", "dataset", "reference", "reward_model", "critic", "eval_dataset"},
+           "required": {"model", "dataset"}, "plugins": {"algorithm", "rewards", "sampler"}},
+    "rejection_sampling": {"inputs": {"model", "dataset", "reward_model"},
+                           "required": {"model", "dataset"}, "plugins": {"rewards", "sampler"}},
+    "evaluate": {"inputs": {"model", "dataset", "reward_model"}, "required": {"model", "dataset"},
+                 "plugins": {"rewards", "sampler"}},
+}
+
+
+class PluginRef(BaseModel):
+    """A plugin by name, with the config its own `Config` model validates."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def coerce(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+
+class RewardRef(PluginRef):
+    weight: float = 1.0
+
+
+class StageSpec(BaseModel):
+    """One stage: its kind, inputs (paths, hub ids or `stage:NAME`), plugins and settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: StageKind
+    inputs: dict[str, str] = Field(default_factory=dict)
+    algorithm: PluginRef | None = None
+    rewards: list[RewardRef] = Field(default_factory=list)
+    sampler: PluginRef | None = None
+    selectors: list[PluginRef] = Field(default_factory=list)
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("algorithm", "sampler", mode="before")
+    @classmethod
+    def _one(cls, v):
+        return PluginRef.coerce(v)
+
+    @field_validator("rewards", "selectors", mode="before")
+    @classmethod
+    def _many(cls, v):
+        return [PluginRef.coerce(x) for x in v] if isinstance(v, list) else v
+
+    def references(self) -> dict[str, str]:
+        """input name -> upstream stage name, for inputs given as `stage:NAME`."""
+        return {k: v[len(STAGE_REF):] for k, v in self.inputs.items() if v.startswith(STAGE_REF)}
+
+
+class PipelineSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str = ""
+    seed: int = 0
+    stages: dict[str, StageSpec]
+
+    def order(self) -> list[str]:
+        """Stage names in dependency order (each after every stage it reads from)."""
+        graph = {name: set(stage.references().values()) for name, stage in self.stages.items()}
+        return list(graphlib.TopologicalSorter(graph).static_order())
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
+    """Read, validate and check a pipeline YAML; every error names the file, stage and field."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such pipeline file") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML: {exc}") from None
+    return parse_spec(raw, str(path), plugins)
+
+
+def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected a mapping with 'name' and 'stages', got {type(raw).__name__}")
+    try:
+        spec = PipelineSpec.model_validate(raw)
+    except ValidationError as exc:
+        lines = [f"  {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise SpecError(f"{source}: invalid pipeline spec\n" + "\n".join(lines)) from None
+    if not spec.stages:
+        raise SpecError(f"{source}: 'stages' is empty; a pipeline needs at least one stage")
+    check_graph(spec, source)
+    if plugins is None:
+        from alignflow.core.plugins import get_plugins
+
+        plugins = get_plugins()
+    for name, stage in spec.stages.items():
+        check_stage(name, stage, source, plugins)
+    return spec
+
+
+def check_graph(spec: PipelineSpec, source: str) -> None:
+    for name, stage in spec.stages.items():
+        for field, upstream in stage.references().items():
+            if upstream not in spec.stages:
+                raise SpecError(
+                    f"{source}: stage {name!r}, inputs.{field}: refers to stage {upstream!r}, which "
+                    f"does not exist (stages: {', '.join(spec.stages)})"
+                )
+    try:
+        spec.order()
+    except graphlib.CycleError as exc:
+        cycle = " -> ".join(exc.args[1][::-1])
+        raise SpecError(f"{source}: the stages form a cycle: {cycle}") from None
+
+
+def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
+    where = f"{source}: stage {name!r}"
+    rules = KIND_RULES[stage.kind]
+    for field in stage.inputs:
+        if field not in rules["inputs"]:
+            raise SpecError(f"{where}, inputs.{field}: not an input of a {stage.kind!r} stage "
+                            f"(allowed: {', '.join(sorted(rules['inputs']))})")
+    for field in sorted(rules["required"] - set(stage.inputs)):
+        raise SpecError(f"{where}, inputs.{field}: required by a {stage.kind!r} stage")
+    given = {"algorithm": stage.algorithm is not None, "rewards": bool(stage.rewards),
+             "sampler": stage.sampler is not None, "selectors": bool(stage.selectors)}
+    for field, present in given.items():
+        if present and field not in rules["plugins"]:
+            raise SpecError(f"{where}, {field}: a {stage.kind!r} stage takes no {field}")
+    if "algorithm" in rules["plugins"] and stage.algorithm is None:
+        raise SpecError(f"{where}, algorithm: required by a {stage.kind!r} stage")
+    if stage.kind in ("rl", "rejection_sampling", "evaluate") and not stage.rewards:
+        raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
+
+    if stage.algorithm is not None:
+        algo = _check_ref(where, "algorithm", stage.algorithm, plugins.algorithms)
+        if getattr(algo, "stage", None) != stage.kind:
+            raise SpecError(f"{where}, algorithm: {stage.algorithm.name!r} serves "
+                            f"{getattr(algo, 'stage', '?')!r} stages, not {stage.kind!r}")
+    if stage.sampler is not None:
+        _check_ref(where, "sampler", stage.sampler, plugins.samplers)
+    for i, ref in enumerate(stage.rewards):
+        _check_ref(where, f"rewards[{i}]", ref, plugins.rewards)
+    for i, ref in enumerate(stage.selectors):
+        _check_ref(where, f"selectors[{i}]", ref, plugins.selectors)
+    _check_settings(where, stage)
+
+
+def _check_ref(where: str, field: str, ref: PluginRef, registry):
+    try:
+        obj = registry.get(ref.name)
+    except PluginError as exc:
+        raise SpecError(f"{where}, {field}.name: {exc}") from None
+    validate_config(obj, ref.config, f"{where}, {field}.config")
+    return obj
+
+
+def validate_config(obj: Any, config: dict, where: str):
+    """Validate a `config:` block with the plugin's own model; None when the plugin takes none."""
+    return validate_model(plugin_config_model(obj), config, where)
+
+
+def validate_model(model: type[BaseModel] | None, config: dict, where: str):
+    """Validate `config` with `model`; errors read `where.field: message`."""
+    if model is None:
+        if config:
+            raise SpecError(f"{where}: this plugin takes no config, got {', '.join(config)}")
+        return None
+    try:
+        return model.model_validate(config)
+    except ValidationError as exc:
+        lines = [f"{where}.{_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise SpecError("\n".join(lines)) from None
+
+
+def _check_settings(where: str, stage: StageSpec) -> None:
+    from alignflow.core.settings import settings_model
+
+    validate_model(settings_model(stage.kind), stage.settings, f"{where}, settings")

@@ -1,0 +1,1 @@
+"""alignflow.flows: Prefect flows and the stage tasks they chain."""

@@ -1,0 +1,1 @@
+"""Bradley-Terry reward model (not yet implemented: registers nothing)."""

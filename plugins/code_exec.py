@@ -1,0 +1,1 @@
+"""code execution reward (not yet implemented: registers nothing)."""

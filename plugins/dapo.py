@@ -1,0 +1,1 @@
+"""DAPO (not yet implemented: registers nothing)."""

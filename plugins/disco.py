@@ -1,0 +1,1 @@
+"""DisCO (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""DPO (not yet implemented: registers nothing)."""

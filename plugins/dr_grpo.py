@@ -1,0 +1,1 @@
+"""Dr. GRPO (not yet implemented: registers nothing)."""

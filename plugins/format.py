@@ -1,0 +1,1 @@
+"""format reward (not yet implemented: registers nothing)."""

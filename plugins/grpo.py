@@ -1,0 +1,1 @@
+"""GRPO (not yet implemented: registers nothing)."""

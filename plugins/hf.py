@@ -1,0 +1,1 @@
+"""transformers generate sampler (not yet implemented: registers nothing)."""

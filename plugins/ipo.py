@@ -1,0 +1,1 @@
+"""IPO (not yet implemented: registers nothing)."""

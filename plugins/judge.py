@@ -1,0 +1,1 @@
+"""judge reward (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""KTO (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""lambda-GRPO (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""length reward (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""math accuracy reward (not yet implemented: registers nothing)."""

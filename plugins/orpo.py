@@ -1,0 +1,1 @@
+"""ORPO (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""overlong reward (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""PPO (not yet implemented: registers nothing)."""

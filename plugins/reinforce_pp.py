@@ -1,0 +1,1 @@
+"""REINFORCE++ (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""reward-model reward (not yet implemented: registers nothing)."""

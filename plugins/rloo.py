@@ -1,0 +1,1 @@
+"""RLOO (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""SFT (not yet implemented: registers nothing)."""

@@ -1,0 +1,1 @@
+"""SimPO (not yet implemented: registers nothing)."""
