@@ -1,0 +1,1 @@
+"""column-value filter selector (not yet implemented: registers nothing)."""

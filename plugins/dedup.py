@@ -1,0 +1,1 @@
+"""exact-duplicate prompt removal selector (not yet implemented: registers nothing)."""

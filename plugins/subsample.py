@@ -1,0 +1,1 @@
+"""seeded random subset selector (not yet implemented: registers nothing)."""
