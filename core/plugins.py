@@ -54,7 +54,8 @@ class Plugins:
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
             self.pm.unregister(name=name)
-            raise PluginError(f"plugin {where} has an invalid hook implementation: {exc}") from exc
+            detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise PluginError(f"plugin {where} has an invalid hook implementation: {detail}") from exc
         self.origin[name] = (distribution, version, name)
         for hook_name, kind in KINDS.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():

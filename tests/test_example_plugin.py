@@ -1,0 +1,63 @@
+"""A third-party plugin, pip-installed into a throwaway location, is listed and usable by name."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "alignflow-plugin-example"
+ALIGNFLOW = [sys.executable, "-m", "alignflow.flows.cli"]
+
+PIPELINE = """
+name: uses-example
+stages:
+  prefs:
+    kind: preference
+    inputs: {model: ./base, dataset: data/pairs.jsonl}
+    algorithm: {name: hinge, config: {delta: 0.5}}
+"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(EXAMPLE)],
+        check=True,
+    )
+    return target
+
+
+def run(args, site=None, **kw):
+    env = dict(os.environ)
+    env.pop("ALIGNFLOW_PLUGINS", None)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+    return subprocess.run(ALIGNFLOW + args, capture_output=True, text=True, env=env, **kw)
+
+
+def test_plugins_lists_the_example_with_its_distribution(site):
+    out = run(["plugins", "--json"], site)
+    assert out.returncode == 0, out.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
+    for key in [("algorithm", "hinge"), ("reward", "answer_digits")]:
+        assert rows[key]["distribution"] == "alignflow-plugin-example"
+        assert rows[key]["version"] == "0.1.0"
+        assert rows[key]["description"]
+    assert all(set(r) == {"kind", "name", "distribution", "version", "description"} for r in rows.values())
+
+
+def test_validate_accepts_a_pipeline_using_it_only_when_installed(site, tmp_path):
+    pipe = tmp_path / "uses-example.yaml"
+    pipe.write_text(PIPELINE)
+    ok = run(["validate", str(pipe)], site)
+    assert ok.returncode == 0, ok.stderr
+    assert "prefs" in ok.stdout and "hinge" in ok.stdout
+    missing = run(["validate", str(pipe)])
+    assert missing.returncode == 1
+    assert "stage 'prefs', algorithm.name: unknown algorithm 'hinge'" in missing.stderr
