@@ -1,0 +1,14 @@
+"""CI runs exactly the test command the README gives."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    readme = (ROOT / "README.md").read_text()
+    command = ci[-1].strip()
+    assert command.startswith("python -m pytest")
+    assert f"```bash\n{command}\n```" in readme
+    assert "pip install --quiet torch==2.13.0" in "\n".join(ci)
