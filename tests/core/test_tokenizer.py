@@ -1,0 +1,71 @@
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from alignflow.core import task
+from alignflow.core.tokenizer import CHAT_TEMPLATE, TAGS, build_char_tokenizer, save_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    save_char_tokenizer(path)
+    return path
+
+
+def test_special_token_ids_and_vocab_size():
+    tok = build_char_tokenizer()
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert len(tok) == 104
+    assert [tok.convert_tokens_to_ids(t) for t in TAGS] == [100, 101, 102, 103]
+
+
+def test_round_trip_on_task_strings():
+    tok = build_char_tokenizer()
+    rng = random.Random(0)
+    for level in task.LEVELS:
+        p = task.generate(level, rng)
+        text = p.prompt + p.completion()
+        ids = tok(text).input_ids
+        assert tok.decode(ids) == text
+        # One token per character, except that each of the four tags is a single token.
+        assert len(ids) == len(text) - sum(len(t) - 1 for t in TAGS)
+    # Spaces before punctuation survive (no "clean up"), and unknown characters become <unk>.
+    assert tok.decode(tok("a , b .").input_ids) == "a , b ."
+    assert tok("é").input_ids == [tok.unk_token_id]
+
+
+def test_tags_survive_skip_special_tokens_but_eos_does_not():
+    tok = build_char_tokenizer()
+    ids = tok("<think>1+1=2</think><answer>2</answer>").input_ids + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>1+1=2</think><answer>2</answer>"
+    assert tok.decode(ids).endswith("</answer></s>")
+
+
+def test_no_special_tokens_added_on_encode():
+    tok = build_char_tokenizer()
+    assert tok("12+3=").input_ids == tok.convert_tokens_to_ids(list("12+3="))
+
+
+def test_chat_template_matches_raw_prompt_form():
+    tok = build_char_tokenizer()
+    user = [{"role": "user", "content": "37+48="}]
+    convo = user + [{"role": "assistant", "content": "<answer>85</answer>"}]
+    assert tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == "37+48="
+    assert tok.apply_chat_template(convo, tokenize=False) == "37+48=<answer>85</answer></s>"
+    system = [{"role": "system", "content": "Be brief."}] + user
+    assert tok.apply_chat_template(system, tokenize=False) == "Be brief.\n37+48="
+    ids = tok.apply_chat_template(convo)["input_ids"]
+    assert ids[-1] == tok.eos_token_id and ids[-2] == tok.convert_tokens_to_ids("</answer>")
+
+
+def test_load_from_disk_with_auto_tokenizer(saved):
+    tok = AutoTokenizer.from_pretrained(saved)
+    ref = build_char_tokenizer()
+    text = "905-18=<think>15-8=7</think>"
+    assert tok(text).input_ids == ref(text).input_ids
+    assert tok.decode(tok("x , y").input_ids) == "x , y"
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<pad>", "<s>", "</s>")
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.model_max_length == 256
