@@ -42,6 +42,18 @@ class Sampler:
     def __init__(self, config: PluginConfig | None = None):
         self.config = config if config is not None else self.Config()
 
+    def load(self, model: Any, tokenizer: Any) -> None:
+        """Take the initial policy (a module or a checkpoint path) and its tokenizer."""
+        raise NotImplementedError
+
+    def generate(self, prompt_ids: list[list[int]], n: int, gen: Any, seed: int) -> Any:
+        """Return an `alignflow.core.sampling.Generation` with `n` completions per prompt."""
+        raise NotImplementedError
+
+    def update_weights(self, model: Any) -> None:
+        """Take the policy's new weights after an optimizer update."""
+        raise NotImplementedError
+
 
 class Selector:
     """Chooses or reorders dataset rows before training (filters, curricula, dedup)."""

@@ -1,0 +1,55 @@
+"""What a sampler returns, and the pieces every sampler shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Generation:
+    """`n` completions for each of P prompts, flattened prompt-major: row i belongs to prompt i // n."""
+
+    prompt_index: list[int]
+    completion_ids: list[list[int]]  # generated tokens, the stop token included, no padding
+    texts: list[str]  # decoded completions, special tokens removed
+    truncated: list[bool]  # hit max_new_tokens before a stop token
+    logprobs: list[list[float]] | None = None  # sampling log-probs per generated token, when known
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.completion_ids]
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token rows to the longest one: (input_ids, attention_mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def cut_at_stop(tokens: torch.Tensor, stop_ids: set[int]) -> tuple[list[list[int]], list[bool]]:
+    """Trim generated rows after their first stop token (kept); rows with none are truncated."""
+    rows, truncated = [], []
+    is_stop = torch.zeros_like(tokens, dtype=torch.bool)
+    for sid in stop_ids:
+        is_stop |= tokens == sid
+    first = torch.where(is_stop.any(1), is_stop.float().argmax(1), torch.full_like(tokens[:, 0], -1))
+    for row, stop in zip(tokens.tolist(), first.tolist()):
+        if stop >= 0:
+            rows.append(row[: stop + 1])
+            truncated.append(False)
+        else:  # generate pads only after a stop token, so an unfinished row is all real tokens
+            rows.append(row)
+            truncated.append(True)
+    return rows, truncated
