@@ -61,3 +61,23 @@ def test_validate_accepts_a_pipeline_using_it_only_when_installed(site, tmp_path
     missing = run(["validate", str(pipe)])
     assert missing.returncode == 1
     assert "stage 'prefs', algorithm.name: unknown algorithm 'hinge'" in missing.stderr
+
+
+def test_hinge_loss_matches_the_formula(site, monkeypatch):
+    """max(0, δ − β·h), h = (π_w − ref_w) − (π_l − ref_l); the stage's generic batch builder feeds it."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(site))
+    from alignflow_plugin_example.hinge import Hinge
+
+    from alignflow.core.preference import PairBatch
+
+    algo = Hinge(Hinge.Config(beta=0.5, delta=1.0))
+    batch = PairBatch(policy_chosen_logps=torch.tensor([-1.0, -4.0]), policy_rejected_logps=torch.tensor([-3.0, -2.0]),
+                      chosen_lengths=torch.tensor([2, 2]), rejected_lengths=torch.tensor([2, 2]),
+                      ref_chosen_logps=torch.tensor([-2.0, -3.0]), ref_rejected_logps=torch.tensor([-2.0, -2.0]))
+    loss, metrics = algo.loss(batch)
+    # pair 1: h = (-1 - -2) - (-3 - -2) = 2 -> max(0, 1 - 0.5*2) = 0
+    # pair 2: h = (-4 - -3) - (-2 - -2) = -1 -> max(0, 1 + 0.5) = 1.5
+    assert loss.item() == pytest.approx((0.0 + 1.5) / 2)
+    assert metrics["rewards/accuracies"].item() == pytest.approx(0.5)
