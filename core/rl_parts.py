@@ -1,0 +1,161 @@
+"""Shared pieces of RL objectives: baselines, whitening, KL estimators, the clipped surrogate, GAE.
+
+Conventions: `[B]` tensors hold one value per response, `[B, T]` tensors one per response token,
+`mask` is the response mask (1 on generated tokens, 0 on padding). `group` holds each response's
+prompt index (any integers; they need not be contiguous).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LOG_RATIO_CLAMP = 20.0  # verl: keeps exp() finite
+KL_CLAMP = 10.0  # OpenRLHF clamps every estimator; verl clamps k3 (ALGORITHMS.md 15b)
+
+
+def group_ids(group: Tensor) -> tuple[Tensor, int]:
+    """Dense group indices 0..n-1 for arbitrary prompt ids, and n."""
+    uniq, inverse = torch.unique(group, return_inverse=True)
+    return inverse, uniq.numel()
+
+
+def group_sum(values: Tensor, inverse: Tensor, n: int) -> Tensor:
+    """Per-group sums of a [B] tensor: [n]."""
+    return torch.zeros(n, dtype=values.dtype, device=values.device).index_add(0, inverse, values)
+
+
+def group_normalize(rewards: Tensor, group: Tensor, scale: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO advantage (R - mean_g) / (std_g + eps), std unbiased (N-1) as verl; `scale=False` only centres.
+
+    A response alone in its group gets advantage 0 (no baseline to compare with).
+    """
+    inverse, n = group_ids(group)
+    rewards = rewards.float()
+    count = group_sum(torch.ones_like(rewards), inverse, n)
+    mean = group_sum(rewards, inverse, n) / count
+    centred = rewards - mean[inverse]
+    if not scale:
+        return centred
+    var = group_sum(centred**2, inverse, n) / (count - 1).clamp(min=1)
+    return centred / (var.sqrt()[inverse] + eps)
+
+
+def leave_one_out(rewards: Tensor, group: Tensor) -> Tensor:
+    """RLOO advantage R_i - mean_{j != i} R_j within the group (0 for a response alone in its group)."""
+    inverse, n = group_ids(group)
+    rewards = rewards.float()
+    count = group_sum(torch.ones_like(rewards), inverse, n)[inverse]
+    total = group_sum(rewards, inverse, n)[inverse]
+    baseline = (total - rewards) / (count - 1).clamp(min=1)
+    return torch.where(count > 1, rewards - baseline, torch.zeros_like(rewards))
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean over the positions where mask = 1 (0 when there are none)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """Token-weighted whitening over the whole batch: (x - mu) / sqrt(max(var, eps)), biased var as OpenRLHF.
+
+    Long responses weigh more than short ones; call it on the full rollout, never per micro-batch.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    whitened = (values - mean) if shift_mean else values
+    return whitened * var.clamp(min=eps).rsqrt() * mask
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token estimate of KL(p || ref) from samples of p (Schulman's k1/k2/k3), clamped to +-10.
+
+    Pass the sampling policy first: KL(pi_old || pi_theta) on pi_old's samples is
+    `kl_estimate(old_logprobs, logprobs)`.
+    """
+    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log rho
+    if kind == "k1":
+        kl = -log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio**2
+    elif kind == "k3":
+        kl = log_ratio.exp() - 1 - log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
+    return kl.clamp(-KL_CLAMP, KL_CLAMP)
+
+
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """PPO's per-token loss max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), optionally dual-clipped at -A c for A < 0.
+
+    Returns the loss, the ratio r, and boolean masks of tokens whose gradient the clip removed
+    (`clip_low`: A < 0 and r < 1-eps_low; `clip_high`: A > 0 and r > 1+eps_high; `dual_clip`).
+    """
+    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    flags = {
+        "clip_low": (advantages < 0) & (ratio < 1 - clip_low),
+        "clip_high": (advantages > 0) & (ratio > 1 + clip_high),
+    }
+    if dual_clip is not None:
+        # Ye et al. 2020: for A < 0 an unbounded ratio would make one token's loss unbounded.
+        bound = -advantages * dual_clip
+        flags["dual_clip"] = (advantages < 0) & (loss > bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+    return loss, ratio, flags
+
+
+def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """[B, T] per-token rewards holding each scalar reward at its response's last token."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    last = (positions * mask.long()).argmax(-1, keepdim=True)  # mask may start anywhere
+    placed = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return placed.scatter(-1, last, rewards.float()[:, None]) * mask
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. 2015): A_t = sum_l (gamma lam)^l delta_{t+l}; returns A + V. Both [B, T].
+
+    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past the last response token.
+    """
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    # The recursion runs backwards in time; every library loops over T here (vectorised over B).
+    for t in reversed(range(values.shape[-1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[-1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
+    """Return-to-go G_t = sum_{s >= t} gamma^(s-t) r_s over the response, [B, T]."""
+    rewards = rewards * mask.to(rewards.dtype)
+    if gamma == 1.0:
+        return rewards.flip(-1).cumsum(-1).flip(-1) * mask
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0)[0]
+
+
+def advantage_metrics(advantages: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """Mean, std, min and max of the advantages over response tokens."""
+    valid = advantages[mask.bool()]
+    if valid.numel() == 0:
+        valid = advantages.new_zeros(1)
+    return {
+        "advantages/mean": valid.mean(),
+        "advantages/std": valid.std(unbiased=False),
+        "advantages/min": valid.min(),
+        "advantages/max": valid.max(),
+    }
