@@ -1,0 +1,87 @@
+"""`alignflow plugins`, `validate` and `--version`, run as a user runs them."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
+
+PIPELINE = """
+name: tiny
+stages:
+  sft:
+    kind: sft
+    inputs: {model: ./base, dataset: data/sft.jsonl}
+    algorithm: sft
+  dpo:
+    kind: preference
+    inputs: {model: "stage:sft", dataset: data/pairs.jsonl}
+    algorithm: {name: dpo, config: {beta: 0.1}}
+"""
+
+
+def alignflow(*args):
+    env = {k: v for k, v in os.environ.items() if k != "ALIGNFLOW_PLUGINS"}
+    return subprocess.run([ALIGNFLOW, *args], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture
+def pipeline(tmp_path):
+    def write(text):
+        path = tmp_path / "p.yaml"
+        path.write_text(text)
+        return str(path)
+    return write
+
+
+def test_version():
+    out = alignflow("--version")
+    assert out.returncode == 0 and out.stdout.startswith("alignflow 0.")
+
+
+def test_plugins_json_lists_every_builtin_with_exact_keys():
+    out = alignflow("plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert all(list(r) == ["kind", "name", "distribution", "version", "description"] for r in rows)
+    names = {(r["kind"], r["name"]) for r in rows if r["distribution"] == "alignflow"}
+    algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo",
+                  "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
+    rewards = {"math_accuracy", "format", "overlong", "length", "code_exec", "reward_model", "judge"}
+    assert {("algorithm", a) for a in algorithms} <= names
+    assert {("reward", r) for r in rewards} <= names
+    assert ("sampler", "hf") in names
+
+
+def test_validate_prints_the_dag(pipeline):
+    out = alignflow("validate", pipeline(PIPELINE))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.index("sft") < out.stdout.index("dpo") and "model <- stage:sft" in out.stdout
+
+
+def test_validate_cycle(pipeline):
+    out = alignflow("validate", pipeline(PIPELINE.replace("model: ./base", 'model: "stage:dpo"')))
+    assert out.returncode == 1
+    assert "p.yaml: the stages form a cycle:" in out.stderr and "sft" in out.stderr and "dpo" in out.stderr
+
+
+def test_validate_dangling_reference(pipeline):
+    out = alignflow("validate", pipeline(PIPELINE.replace('"stage:sft"', '"stage:sfd"')))
+    assert out.returncode == 1
+    assert "stage 'dpo', inputs.model: refers to stage 'sfd', which does not exist" in out.stderr
+
+
+def test_validate_bad_config_field(pipeline):
+    out = alignflow("validate", pipeline(PIPELINE.replace("beta: 0.1", "beta: -3")))
+    assert out.returncode == 1
+    assert "stage 'dpo', algorithm.config.beta: Input should be greater than 0" in out.stderr
+
+
+def test_validate_unknown_algorithm_suggests(pipeline):
+    out = alignflow("validate", pipeline(PIPELINE.replace("name: dpo", "name: dpo2")))
+    assert out.returncode == 1
+    assert "unknown algorithm 'dpo2'; did you mean 'dpo'?" in out.stderr
