@@ -93,7 +93,7 @@ class RewardBatch:
 class OfflineAlgorithm(Algorithm):
     """An algorithm trained from a fixed dataset: `loss(batch, norm) -> (step-share loss, metrics)`."""
 
-    batch_type: ClassVar[type] = TokenBatch
+    batch_type: ClassVar[type]  # the batch dataclass `loss` takes
     needs_kl_pairs: ClassVar[bool] = False  # log-probs of mismatched prompt/completion pairs (KTO)
     nll_scope: NllScope | None = None  # which chosen tokens an added NLL term covers; None: no NLL term
 
@@ -150,7 +150,8 @@ def mismatched_pairs(n: int) -> Tensor:
 
 # scorer(name, scope) -> the micro-batch's summed log-probs of one set of sequences. Names:
 # "chosen", "rejected" (pairs), "completion", "kl" (unpaired; "kl" = prompt i + completion
-# mismatched_pairs(n)[i]). A stage runs the model or looks up its cached reference log-probs.
+# mismatched_pairs(n)[i]). A stage runs the model once per set and sums under the asked scope,
+# or looks up cached reference log-probs ("kl" pairs change with the micro-batch: compute them).
 Scorer = Callable[[str, NllScope], SequenceLogps]
 
 
