@@ -1,1 +1,29 @@
-"""alignflow.flows: Prefect flows and the stage tasks they chain."""
+"""alignflow.flows: Prefect flows and the stage tasks they chain.
+
+For your own flows: `pipeline_flow` (the whole pipeline, usable as a subflow), `open_session`,
+`submit_stages` and `stage_task` (submit a pipeline's stages inside your flow), and the
+stage-runner contract `StageContext`, `StageResult`, `RUNNERS`. Imported lazily so the CLI's
+quick commands never pay for importing Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "pipeline_flow": "alignflow.flows.pipeline",
+    "open_session": "alignflow.flows.pipeline",
+    "submit_stages": "alignflow.flows.pipeline",
+    "stage_task": "alignflow.flows.pipeline",
+    "PipelineReport": "alignflow.flows.report",
+    "StageContext": "alignflow.flows.stages",
+    "StageResult": "alignflow.flows.stages",
+    "RUNNERS": "alignflow.flows.stages",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'alignflow.flows' has no attribute {name!r}")

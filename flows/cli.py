@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata as md
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -52,6 +53,34 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
+    from alignflow.flows.pipeline import run_pipeline
+    from alignflow.flows.report import write_curves, write_metrics
+
+    report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
+    report.render(err_console if args.json else console)
+    if args.metrics:
+        write_metrics(report, args.metrics)
+    if args.plots:
+        write_curves(report, args.plots)
+    if args.json:
+        print(report.as_json(), flush=True)
+    return 1 if report.failed else 0
+
+
+def cmd_data(args) -> int:
+    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged)."""
+    from alignflow.flows.data import DATA_DIR, regenerate_data
+
+    if (Path.cwd() / DATA_DIR).is_dir() and not args.force:
+        console.print(f"{DATA_DIR}/ exists; pass --force to rewrite it")
+        return 0
+    for name, path in regenerate_data(Path.cwd()).items():
+        console.print(f"{name}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"alignflow {md.version('alignflow')}")
@@ -64,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help=cmd_validate.__doc__)
     p.add_argument("pipeline", help="path to a pipeline YAML")
     p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("run", help=cmd_run.__doc__)
+    p.add_argument("pipeline", help="path to a pipeline YAML")
+    p.add_argument("--set", action="append", default=[], metavar="STAGE.FIELD=VALUE",
+                   help="override a field of the spec, e.g. sft.settings.lr=1e-3 (repeatable)")
+    p.add_argument("--json", action="store_true", help="end stdout with one JSON line (table on stderr)")
+    p.add_argument("--artifacts", type=Path, help="artifacts root (default: ./artifacts)")
+    p.add_argument("--metrics", type=Path, help="write final metrics JSON here (for dvc metrics)")
+    p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("data", help=cmd_data.__doc__)
+    p.add_argument("--force", action="store_true", help="rewrite data/ even when it exists")
+    p.set_defaults(func=cmd_data)
     return parser
 
 

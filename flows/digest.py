@@ -1,0 +1,120 @@
+"""Stage digests: a hash of everything that determines a stage's outputs.
+
+digest = sha256(kind, validated config, input digests, plugin and runner versions + source
+hashes, data version, seed). Upstream stages enter through their own digests, so a change
+reaches exactly a stage and its descendants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from alignflow.core.errors import SpecError
+from alignflow.core.settings import settings_model
+from alignflow.core.spec import StageSpec, validate_config
+
+DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: equal configs give equal strings."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_path(path: Path) -> str:
+    """Content hash of a file, or of a folder's relative paths and file contents."""
+    if path.is_file():
+        return hash_file(path)
+    h = hashlib.sha256()
+    for p in sorted(q for q in path.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(path).as_posix()}\0{hash_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+def source_hash(obj: Any) -> str | None:
+    """sha256 of the source file of the module defining `obj`: an edit changes the digest."""
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    path = getattr(module, "__file__", None) or inspect.getsourcefile(obj)
+    return hash_file(Path(path)) if path else None
+
+
+def data_version(project: Path) -> str | None:
+    """The md5 DVC recorded for the tracked data in `data.dvc`; None without DVC."""
+    dvc_file = project / "data.dvc"
+    if not dvc_file.is_file():
+        return None
+    outs = (yaml.safe_load(dvc_file.read_text()) or {}).get("outs") or []
+    return outs[0].get("md5") if outs else None
+
+
+def stage_config(name: str, stage: StageSpec, plugins) -> dict:
+    """The stage's config with every plugin config and the settings validated and defaults filled."""
+    where = f"stage {name!r}"
+
+    def ref(r, registry, field):
+        cfg = validate_config(registry.get(r.name), r.config, f"{where}, {field}.config")
+        out = {"name": r.name, "config": cfg.model_dump(mode="json") if cfg is not None else {}}
+        return {**out, "weight": r.weight} if hasattr(r, "weight") else out
+
+    return {
+        "kind": stage.kind,
+        "algorithm": ref(stage.algorithm, plugins.algorithms, "algorithm") if stage.algorithm else None,
+        "sampler": ref(stage.sampler, plugins.samplers, "sampler") if stage.sampler else None,
+        "rewards": [ref(r, plugins.rewards, f"rewards[{i}]") for i, r in enumerate(stage.rewards)],
+        "selectors": [ref(s, plugins.selectors, f"selectors[{i}]") for i, s in enumerate(stage.selectors)],
+        "settings": settings_model(stage.kind).model_validate(stage.settings).model_dump(mode="json"),
+    }
+
+
+def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
+    """{kind/name: {distribution, version, source}} for every plugin the stage uses."""
+    refs = [("algorithm", stage.algorithm, plugins.algorithms), ("sampler", stage.sampler, plugins.samplers)]
+    refs += [("reward", r, plugins.rewards) for r in stage.rewards]
+    refs += [("selector", s, plugins.selectors) for s in stage.selectors]
+    versions = {}
+    for kind, ref, registry in refs:
+        if ref is None:
+            continue
+        entry = registry.entry(ref.name)
+        versions[f"{kind}/{ref.name}"] = {"distribution": entry.distribution, "version": entry.version,
+                                          "source": source_hash(entry.obj)}
+    return versions
+
+
+def resolve_input(value: str, project: Path) -> Path | str:
+    """A local path (relative to the project) when it exists, else a hub id left as a string."""
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else project / path
+    if path.exists():
+        return path
+    if value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".parquet", ".csv"}:
+        raise SpecError(f"input {value!r}: no such file or folder (looked in {path})")
+    return value
+
+
+def input_digest(value: Path | str) -> str:
+    return f"file:{hash_path(value)}" if isinstance(value, Path) else f"hub:{value}"
+
+
+def stage_digest(parts: dict) -> str:
+    """The short digest of a stage's identity parts (see `StagePlan.parts`)."""
+    return sha256_text(canonical_json(parts))[:DIGEST_CHARS]

@@ -1,0 +1,111 @@
+"""Run one planned stage: reuse its artifact when finished, else lock, run, finalise and record."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from alignflow.core.errors import AlignflowError, SpecError
+from alignflow.core.settings import settings_model
+from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.plan import StagePlan
+from alignflow.flows.stages import OUTPUT_OF_INPUT, RUNNERS, StageContext
+from alignflow.flows.tracking import StageRun, Tracker
+
+
+@dataclass
+class StageOutcome:
+    """How a stage ended, for the summary, downstream stages and MLflow."""
+
+    name: str
+    kind: str
+    status: str  # ran | cached | resumed
+    seconds: float
+    digest: str
+    artifact: Path
+    outputs: dict[str, Path] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    headline: str | None = None
+    mlflow_run_id: str | None = None
+
+
+class StageFailed(AlignflowError):
+    """A stage's runner raised; `seconds` is how long it ran."""
+
+
+def resolve_inputs(plan: StagePlan, upstream: dict[str, StageOutcome]) -> dict[str, Path | str]:
+    """Replace `stage:NAME` inputs by the upstream output matching the input's name."""
+    inputs = dict(plan.inputs)
+    for field_name, stage in plan.upstream.items():
+        wanted = OUTPUT_OF_INPUT[field_name]
+        outputs = upstream[stage].outputs
+        if wanted not in outputs:
+            raise SpecError(f"stage {plan.name!r}, inputs.{field_name}: stage {stage!r} has no "
+                            f"{wanted!r} output (it has: {', '.join(outputs) or 'none'})")
+        inputs[field_name] = outputs[wanted]
+    return inputs
+
+
+def stage_tags(plan: StagePlan) -> dict[str, str]:
+    tags = {"alignflow.stage": plan.name, "alignflow.kind": plan.kind, "alignflow.digest": plan.digest,
+            "alignflow.data_version": str(plan.data_version)}
+    for name, v in plan.versions["plugins"].items():
+        tags[f"plugin.{name}"] = f"{v['distribution']} {v['version']} {str(v['source'])[:12]}"
+    return tags
+
+
+def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: ArtifactStore,
+                  tracker: Tracker, plugins) -> StageOutcome:
+    """Cached when the manifest exists; otherwise run under the artifact lock."""
+    start = time.perf_counter()
+    inputs = resolve_inputs(plan, upstream)
+    run = tracker.stage_run(plan.name, plan.config, stage_tags(plan))
+    # Holding the lock across check-and-run: a concurrent run of the same stage waits, then reuses.
+    with store.lock(plan.name, plan.digest):
+        manifest = store.manifest(plan.name, plan.digest)
+        if manifest is None:
+            manifest = _run(plan, inputs, store, run, plugins)
+            status = manifest["status"]
+        else:
+            status = "cached"
+    outcome = StageOutcome(plan.name, plan.kind, status, time.perf_counter() - start, plan.digest,
+                           store.folder(plan.name, plan.digest), store.outputs(manifest, plan.name),
+                           manifest["metrics"], manifest.get("headline"), run.run_id)
+    run.finish(status, outcome.metrics, {}, outcome.artifact / "manifest.json")
+    return outcome
+
+
+def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins) -> dict:
+    """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
+    started = time.time()
+    ctx = StageContext(
+        name=plan.name, spec=plan.spec,
+        settings=settings_model(plan.kind).model_validate(plan.spec.settings),
+        inputs=inputs, work_dir=store.fresh_work_dir(plan.name, plan.digest),
+        checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest),
+        seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
+    )
+    resumed = ctx.resuming()
+    try:
+        result = RUNNERS[plan.kind](ctx)
+    except Exception as exc:
+        seconds = time.time() - started
+        run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
+        failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
+        failed.seconds = seconds
+        raise failed from exc
+    finished = time.time()
+    manifest = {
+        "digest": plan.digest, "stage": plan.name, "kind": plan.kind,
+        "status": "resumed" if resumed else "ran",
+        "inputs": {k: {"spec": plan.spec.inputs[k], "resolved": str(inputs[k]),
+                       "digest": plan.input_digests[k]} for k in plan.spec.inputs},
+        "config": plan.config, "seed": plan.seed, "data_version": plan.data_version,
+        "versions": {**plan.versions, "alignflow": md.version("alignflow")},
+        "metrics": result.metrics, "headline": result.headline,
+        "timings": {"started": started, "finished": finished, "seconds": finished - started},
+        "mlflow_run_id": run.run_id,
+    }
+    return store.finalise(plan.name, plan.digest, result.outputs, manifest, run.curves)

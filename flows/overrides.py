@@ -1,0 +1,47 @@
+"""`--set stage.field=value` overrides, applied to the raw spec before it is validated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from alignflow.core.errors import SpecError
+
+TOP_LEVEL = ("name", "description", "seed")
+
+
+def apply_overrides(raw: dict, sets: list[str]) -> dict:
+    """A copy of `raw` with each `path=value` set; the value is parsed as YAML (`1e-3`, `[a, b]`)."""
+    raw = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy the caller's dict never shares
+    for item in sets:
+        path, sep, text = item.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise SpecError(f"--set {item!r}: expected STAGE.FIELD=VALUE, e.g. sft.settings.lr=1e-3")
+        value = yaml.safe_load(text)
+        if keys[0] in TOP_LEVEL and len(keys) == 1:
+            raw[keys[0]] = value
+            continue
+        stages = raw.get("stages") or {}
+        if keys[0] not in stages:
+            raise SpecError(f"--set {item!r}: no stage {keys[0]!r} (stages: {', '.join(stages)})")
+        _set(stages, keys, value, item)
+    return raw
+
+
+def _set(node: Any, keys: list[str], value: Any, item: str) -> None:
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise SpecError(f"--set {item!r}: {'.'.join(keys[:i])} has no item {key!r}")
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise SpecError(f"--set {item!r}: {'.'.join(keys[:i])} is not a mapping")
+        if last:
+            node[key] = value
+        else:
+            if isinstance(node, dict) and node.get(key) is None:
+                node[key] = {}
+            node = node[key]

@@ -1,0 +1,161 @@
+"""The pipeline flow: one Prefect task per stage, submitted in dependency order.
+
+A stage waits for the stages it reads from; independent stages run concurrently. A failed stage
+stops its descendants only. A stage whose artifact is finished ends in a `Cached` state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture, wait
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed, State
+
+from alignflow.core.spec import PipelineSpec, parse_spec
+from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.digest import data_version
+from alignflow.flows.execute import StageOutcome, execute_stage
+from alignflow.flows.overrides import apply_overrides
+from alignflow.flows.plan import StagePlan, plan_pipeline
+from alignflow.flows.report import PipelineReport, StageReport
+from alignflow.flows.tracking import Tracker, git_state
+
+# What the Prefect UI shows for a stage that did not run its runner from the start.
+STATE_NAMES = {"cached": "Cached", "resumed": "Resumed"}
+
+
+@dataclass
+class Session:
+    """One pipeline run's spec, plans, artifact store and MLflow tracker."""
+
+    spec: PipelineSpec
+    spec_text: str  # the spec after overrides: what `reproduce` reruns
+    project: Path
+    plans: dict[str, StagePlan]
+    store: ArtifactStore
+    tracker: Tracker
+    plugins: object
+    started: float = field(default_factory=time.perf_counter)
+
+
+def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | None) -> Session:
+    """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
+    from alignflow.core.plugins import get_plugins
+    from alignflow.flows.data import ensure_data
+
+    raw = apply_overrides(yaml.safe_load(pipeline.read_text()) or {}, overrides)
+    plugins = get_plugins()
+    spec = parse_spec(raw, str(pipeline), plugins)
+    ensure_data(spec, project)
+    plans = plan_pipeline(spec, project, plugins)
+    store = ArtifactStore(artifacts if artifacts is not None else project / "artifacts")
+    return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
+                   Tracker(project, spec.name), plugins)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{name}")
+def stage_task(name: str, session: Session, upstream: dict[str, StageOutcome]) -> StageOutcome:
+    """Run one stage, or reuse its finished artifact."""
+    outcome = execute_stage(session.plans[name], upstream, session.store, session.tracker, session.plugins)
+    if outcome.status in STATE_NAMES:
+        return Completed(name=STATE_NAMES[outcome.status], data=outcome)
+    return outcome
+
+
+def submit_stages(session: Session) -> dict[str, PrefectFuture]:
+    """Submit every stage, each waiting for its upstream stages; call inside a flow."""
+    futures: dict[str, PrefectFuture] = {}
+    for name in session.spec.order():
+        upstream = {s: futures[s] for s in sorted(set(session.plans[name].upstream.values()))}
+        futures[name] = stage_task.submit(name, session, upstream, wait_for=list(upstream.values()))
+    return futures
+
+
+def stage_report(plan: StagePlan, state: State) -> StageReport:
+    """A stage's line in the summary, read from its final Prefect state."""
+    if state.is_completed():
+        o: StageOutcome = state.result()
+        return StageReport(o.name, o.kind, o.status, o.seconds, o.metrics, o.headline, str(o.artifact))
+    if state.is_failed() or state.is_crashed():
+        exc = state.result(raise_on_failure=False)
+        return StageReport(plan.name, plan.kind, "failed", getattr(exc, "seconds", 0.0), {}, None,
+                           None, error=str(exc) if isinstance(exc, BaseException) else state.message)
+    return StageReport(plan.name, plan.kind, "skipped", 0.0, {}, None, None,
+                       error="an upstream stage failed")
+
+
+def start_tracking(session: Session) -> str:
+    """Open the MLflow parent run with the spec and data.dvc as artifacts; returns its id."""
+    tags = {"prefect.flow_run_id": str(flow_run.get_id()), "alignflow.pipeline": session.spec.name,
+            "alignflow.data_version": str(data_version(session.project)), **git_state(session.project)}
+    files = {"spec.yaml": session.spec_text}
+    dvc_file = session.project / "data.dvc"
+    if dvc_file.is_file():
+        files["data.dvc"] = dvc_file.read_text()
+    return session.tracker.start_pipeline(session.spec.name, {"seed": session.spec.seed}, tags, files)
+
+
+@flow(name="alignflow-pipeline", flow_run_name="{pipeline}", persist_result=False)
+def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: str = ".",
+                  artifacts: str | None = None) -> PipelineReport:
+    """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants."""
+    session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
+                           Path(artifacts).resolve() if artifacts else None)
+    mlflow_run_id = start_tracking(session)
+    futures = submit_stages(session)
+    wait(list(futures.values()))
+    stages = [stage_report(session.plans[n], futures[n].state) for n in session.spec.order()]
+    report = PipelineReport(str(flow_run.get_id()), mlflow_run_id, session.spec.name, stages,
+                            session.tracker.uri, time.perf_counter() - session.started)
+    register_final_model(session, report)
+    session.tracker.end_pipeline(report.failed, report.final_metrics())
+    if report.failed:
+        return Failed(message=f"stages failed: {', '.join(s.name for s in report.failed)}", data=report)
+    return report
+
+
+def register_final_model(session: Session, report: PipelineReport) -> None:
+    """Register the last stage with a model output, when it produced a new artifact this run."""
+    if report.failed:
+        return
+    for line in reversed(report.stages):
+        outcome_path = Path(line.artifact) if line.artifact else None
+        if outcome_path is None:
+            continue
+        manifest = session.store.manifest(line.name, outcome_path.name) or {}
+        if "model" not in manifest.get("outputs", {}):
+            continue
+        if line.status in ("ran", "resumed"):
+            model = session.store.outputs(manifest, line.name)["model"]
+            line.model_version = session.tracker.register_model(session.spec.name, model,
+                                                                manifest["mlflow_run_id"])
+        return
+
+
+def load_pipeline(pipeline: Path, overrides: list[str]) -> PipelineSpec:
+    """Validate a spec with its overrides before anything starts: errors come fast and plain."""
+    from alignflow.core.errors import SpecError
+
+    try:
+        raw = yaml.safe_load(pipeline.read_text()) or {}
+    except FileNotFoundError:
+        raise SpecError(f"{pipeline}: no such pipeline file") from None
+    return parse_spec(apply_overrides(raw, overrides), str(pipeline))
+
+
+def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
+                 artifacts: Path | None = None) -> PipelineReport:
+    """Run `pipeline_flow` and return its report, also when stages failed."""
+    load_pipeline(pipeline, list(overrides))
+    state = pipeline_flow(str(pipeline), list(overrides), str(project),
+                          str(artifacts) if artifacts else None, return_state=True)
+    result = state.result(raise_on_failure=False)
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -1,0 +1,158 @@
+"""MLflow records: one parent run per pipeline run, one nested run per stage.
+
+Everything goes through an explicit `MlflowClient` (no fluent active-run state), so stage tasks
+running in threads log to their own runs safely.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PARENT_TAG = "mlflow.parentRunId"
+
+
+def tracking_uri(project: Path) -> str:
+    """MLFLOW_TRACKING_URI when set, else a SQLite file in the project."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(project / 'mlflow.db').resolve()}"
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}, "c": [2]} -> {"a.b": "1", "c.0": "2"}: MLflow params are flat strings."""
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list) and obj:
+        items = enumerate(obj)
+    else:
+        return {prefix: str(obj)[:6000]} if prefix else {}
+    out: dict[str, str] = {}
+    for key, value in items:
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def git_state(project: Path) -> dict[str, str]:
+    """The commit and dirty flag of the project's git checkout; empty outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=project, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        return {"git.commit": git("rev-parse", "HEAD"),
+                "git.dirty": str(bool(git("status", "--porcelain", "--untracked-files=no")))}
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+
+
+class Tracker:
+    """The MLflow side of one pipeline run."""
+
+    def __init__(self, project: Path, experiment: str):
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri(project)
+        self.client = MlflowClient(self.uri)
+        found = self.client.get_experiment_by_name(experiment)
+        if found is not None:
+            self.experiment_id = found.experiment_id
+        else:
+            # A local store keeps artifacts beside the database, not in the current directory.
+            location = (project / "mlruns").resolve().as_uri() if self.uri.startswith("sqlite") else None
+            self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+        self.parent_id: str | None = None
+
+    def start_pipeline(self, name: str, params: dict, tags: dict[str, str], files: dict[str, str]) -> str:
+        """Open the parent run; `files` {artifact name: text} records the spec and data.dvc."""
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        self.parent_id = run.info.run_id
+        self._log(self.parent_id, params=flatten(params))
+        for artifact, text in files.items():
+            self.client.log_text(self.parent_id, text, artifact)
+        return self.parent_id
+
+    def end_pipeline(self, failed: bool, metrics: dict[str, float]) -> None:
+        self._log(self.parent_id, metrics=metrics)
+        self.client.set_terminated(self.parent_id, "FAILED" if failed else "FINISHED")
+
+    def stage_run(self, stage: str, params: dict, tags: dict[str, str]) -> StageRun:
+        """A nested run under the parent for one stage."""
+        run = self.client.create_run(self.experiment_id, run_name=stage,
+                                     tags={**tags, PARENT_TAG: self.parent_id})
+        self._log(run.info.run_id, params=flatten(params))
+        return StageRun(self, run.info.run_id)
+
+    def register_model(self, name: str, folder: Path, run_id: str) -> str:
+        """A new version of the registered model `name`, pointing at the (immutable) artifact folder."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = self.client.create_model_version(name, source=folder.resolve().as_uri(), run_id=run_id)
+        return version.version
+
+    def _log(self, run_id: str, params: dict | None = None, metrics: dict | None = None,
+             step: int = 0, tags: dict | None = None) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+            params=[Param(k, v) for k, v in (params or {}).items()],
+            tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+        )
+
+
+class StageRun:
+    """One stage's nested run: step metrics as they come, then the outcome, manifest and plots."""
+
+    def __init__(self, tracker: Tracker, run_id: str):
+        self.tracker, self.run_id = tracker, run_id
+        self.curves: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """The `StageContext.log_metrics` callback."""
+        with self._lock:
+            for key, value in metrics.items():
+                self.curves[key].append((step, float(value)))
+        self.tracker._log(self.run_id, metrics=metrics, step=step)
+
+    def finish(self, status: str, metrics: dict[str, float], tags: dict[str, str],
+               manifest: Path | None) -> None:
+        """Final metrics and tags, the manifest and curve plots as artifacts; closes the run."""
+        self.tracker._log(self.run_id, metrics=metrics, tags={**tags, "alignflow.status": status},
+                          step=max((s for c in self.curves.values() for s, _ in c), default=0))
+        if manifest is not None and manifest.is_file():
+            self.tracker.client.log_artifact(self.run_id, str(manifest))
+        curves = {k: v for k, v in self.curves.items() if len(v) > 1}
+        if curves:
+            self._log_plots(curves)
+        self.tracker.client.set_terminated(self.run_id, "FAILED" if status == "failed" else "FINISHED")
+
+    def _log_plots(self, curves: dict[str, list[tuple[int, float]]]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display: plots are files
+        import matplotlib.pyplot as plt
+
+        with tempfile.TemporaryDirectory() as tmp:
+            for key, points in curves.items():
+                fig, ax = plt.subplots(figsize=(5, 3.2))
+                ax.plot([s for s, _ in points], [v for _, v in points], marker=".")
+                ax.set_xlabel("step")
+                ax.set_ylabel(key)
+                ax.grid(alpha=0.3)
+                fig.tight_layout()
+                path = Path(tmp) / f"{key.replace('/', '_')}.png"
+                fig.savefig(path, dpi=100)
+                plt.close(fig)
+                self.tracker.client.log_artifact(self.run_id, str(path), "plots")
