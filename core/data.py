@@ -1,0 +1,285 @@
+"""Datasets: load and validate JSONL, Parquet or hub datasets; tokenise with prompt masking; collate.
+
+Validation errors read `path:ROW: field 'x': expected str, got int`, ROW being the 1-based
+line of a JSONL file (the row number elsewhere), because datasets' own errors name neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from alignflow.core.errors import DataError
+
+IGNORE_INDEX = -100  # label of tokens the loss skips (prompt and padding)
+
+# field -> expected type; a tuple type is "list of"; "messages" is a chat conversation.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "prompt_answer": {"prompt": str, "answer": str},
+    "sft": {"prompt": str, "completion": str},
+    "sft_messages": {"messages": "messages"},
+    "pairwise": {"prompt": str, "chosen": str, "rejected": str},
+    "unpaired": {"prompt": str, "completion": str, "label": bool},
+    "steps": {"prompt": str, "steps": (str,), "step_labels": (int, bool)},
+}
+
+
+def _tname(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is(value: Any, types: tuple) -> bool:
+    # bool is an int subclass, but a label true where a count is expected (or 1 for a bool) is a bug.
+    return isinstance(value, types) and (not isinstance(value, bool) or bool in types)
+
+
+def _check_field(name: str, value: Any, expected: Any) -> str | None:
+    """Why `value` does not fit `expected`, or None if it does."""
+    if expected == "messages":
+        if not isinstance(value, list) or not value:
+            return f"field '{name}': expected a non-empty list of {{role, content}}, got {_tname(value)}"
+        for i, m in enumerate(value):
+            if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                return f"field '{name}': item {i}: expected {{role: str, content: str}}, got {m!r:.60}"
+        return None
+    if isinstance(expected, tuple):  # list of
+        label = "|".join(t.__name__ for t in expected)
+        if not isinstance(value, list):
+            return f"field '{name}': expected list[{label}], got {_tname(value)}"
+        bad = next((i for i, v in enumerate(value) if not _is(v, expected)), None)
+        if bad is not None:
+            return f"field '{name}': item {bad}: expected {label}, got {_tname(value[bad])}"
+        return None
+    if not _is(value, (expected,)):
+        return f"field '{name}': expected {expected.__name__}, got {_tname(value)}"
+    return None
+
+
+def check_row(row: Any, schema: str) -> str | None:
+    """Why a row breaks `schema`, or None; for "sft", rows may hold messages instead."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {_tname(row)}"
+    if schema == "sft" and "messages" in row:
+        schema = "sft_messages"
+    fields = SCHEMAS[schema]
+    for name, expected in fields.items():
+        if name not in row:
+            return f"field '{name}': missing (expected fields: {', '.join(fields)})"
+        problem = _check_field(name, row[name], expected)
+        if problem:
+            return problem
+    if schema == "steps" and len(row["steps"]) != len(row["step_labels"]):
+        return f"field 'step_labels': {len(row['step_labels'])} labels for {len(row['steps'])} steps"
+    return None
+
+
+def validate_jsonl(path: Path, schema: str) -> int:
+    """One fast pass over a JSONL file; raises DataError at the first bad line. Returns the row count."""
+    if schema not in SCHEMAS:
+        raise DataError(f"unknown schema {schema!r}: expected one of {', '.join(SCHEMAS)}")
+    rows = 0
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: invalid JSON: {e.msg} (column {e.colno})") from None
+            problem = check_row(row, schema)
+            if problem:
+                raise DataError(f"{path}:{line_no}: {problem}")
+            rows += 1
+    if rows == 0:
+        raise DataError(f"{path}: empty dataset: no rows")
+    return rows
+
+
+def _validate_rows(where: str, rows: Iterable[dict], schema: str) -> None:
+    n = 0
+    for n, row in enumerate(rows, start=1):
+        problem = check_row(row, schema)
+        if problem:
+            raise DataError(f"{where}:{n}: {problem}")
+    if n == 0:
+        raise DataError(f"{where}: empty dataset: no rows")
+
+
+def load_rows(source: str | Path, schema: str, *, split: str = "train", name: str | None = None,
+              cache_dir: str | None = None):
+    """A validated `datasets.Dataset` from a .jsonl/.json, .parquet file or a hub dataset id."""
+    from datasets import load_dataset
+
+    if schema not in SCHEMAS:
+        raise DataError(f"unknown schema {schema!r}: expected one of {', '.join(SCHEMAS)}")
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".parquet") and not path.is_file():
+        raise DataError(f"{path}: no such file")
+    if suffix in (".jsonl", ".json"):
+        validate_jsonl(path, schema)
+        return load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+    if suffix == ".parquet":
+        ds, where = load_dataset("parquet", data_files=str(path), split="train", cache_dir=cache_dir), str(path)
+    else:
+        ds, where = load_dataset(str(source), name, split=split, cache_dir=cache_dir), f"{source}[{split}]"
+    _validate_rows(where, (row for batch in ds.iter(batch_size=1024) for row in _unbatch(batch)), schema)
+    return ds
+
+
+def _unbatch(batch: dict[str, list]) -> Iterable[dict]:
+    keys = list(batch)
+    return (dict(zip(keys, values)) for values in zip(*batch.values()))
+
+
+# --- tokenisation ---------------------------------------------------------------------------
+
+OK, TRUNCATED, DROPPED = 0, 1, 2
+
+
+def split_messages(tokenizer, messages: list[dict]) -> tuple[str, str]:
+    """(prompt, completion) text of a conversation whose last turn, the completion, is the assistant's."""
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"the last message must be the assistant's, got role {messages[-1]['role']!r}")
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders the conversation without its prompt as a prefix")
+    return prompt, full[len(prompt):]
+
+
+def truncate(prompt_ids: list[int], completion_ids: list[int], max_length: int):
+    """(input_ids, labels, status): the completion cut from the right; dropped if the prompt fills it all."""
+    if len(prompt_ids) >= max_length:
+        return [], [], DROPPED
+    room = max_length - len(prompt_ids)
+    status = TRUNCATED if len(completion_ids) > room else OK
+    completion_ids = completion_ids[:room]
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids, status
+
+
+def _completions(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Completion token ids, each ending in EOS (once) so the model learns to stop."""
+    eos = tokenizer.eos_token_id
+    ids = tokenizer(texts, add_special_tokens=False).input_ids
+    return [x + [eos] if eos is not None and (not x or x[-1] != eos) else x for x in ids]
+
+
+def _prompts(tokenizer, batch: dict[str, list]) -> tuple[list[list[int]], list[str] | None]:
+    """Prompt ids and, for chat rows, the completion text the template gives the last turn."""
+    if "messages" not in batch:
+        return tokenizer(batch["prompt"]).input_ids, None
+    pairs = [split_messages(tokenizer, m) for m in batch["messages"]]
+    # The template already wrote any BOS it wants, so add none on top.
+    return tokenizer([p for p, _ in pairs], add_special_tokens=False).input_ids, [c for _, c in pairs]
+
+
+def _sft_batch(batch, tokenizer, max_length):
+    prompts, chat_completions = _prompts(tokenizer, batch)
+    completions = _completions(tokenizer, chat_completions or batch["completion"])
+    out = {"input_ids": [], "labels": [], "_status": []}
+    for p, c in zip(prompts, completions):
+        for key, value in zip(("input_ids", "labels", "_status"), truncate(p, c, max_length)):
+            out[key].append(value)
+    if "label" in batch:  # unpaired rows keep their desirable/undesirable label
+        out["label"] = batch["label"]
+    return out
+
+
+def _pairwise_batch(batch, tokenizer, max_length):
+    prompts = tokenizer(batch["prompt"]).input_ids
+    out = {"_status": [0] * len(prompts)}
+    for side in ("chosen", "rejected"):
+        ids, labels = [], []
+        out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
+        for i, (p, c) in enumerate(zip(prompts, _completions(tokenizer, batch[side]))):
+            row_ids, row_labels, status = truncate(p, c, max_length)
+            ids.append(row_ids)
+            labels.append(row_labels)
+            out["_status"][i] = max(out["_status"][i], status)
+    return out
+
+
+def _steps_batch(batch, tokenizer, max_length, separator):
+    """Steps joined by `separator`; each step's label sits on its last token, the rest is -100."""
+    prompts = tokenizer(batch["prompt"]).input_ids
+    out = {"input_ids": [], "labels": [], "_status": []}
+    for p, steps, step_labels in zip(prompts, batch["steps"], batch["step_labels"]):
+        pieces = tokenizer([s + separator for s in steps], add_special_tokens=False).input_ids
+        ids, labels = list(p), [IGNORE_INDEX] * len(p)
+        for piece, label in zip(pieces, step_labels):
+            ids += piece
+            labels += [IGNORE_INDEX] * (len(piece) - 1) + [int(label)]
+        status = DROPPED if len(p) >= max_length else TRUNCATED if len(ids) > max_length else OK
+        out["input_ids"].append(ids[:max_length] if status != DROPPED else [])
+        out["labels"].append(labels[:max_length] if status != DROPPED else [])
+        out["_status"].append(status)
+    return out
+
+
+TOKENIZERS: dict[str, Callable] = {
+    "sft": _sft_batch, "unpaired": _sft_batch, "pairwise": _pairwise_batch, "steps": _steps_batch,
+}
+
+
+def _tokenizer_digest(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    extra = [tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token]
+    return hashlib.sha256((state + json.dumps(extra)).encode()).hexdigest()
+
+
+def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separator: str = "\n"):
+    """Tokenise rows of a schema for training: (dataset, {"rows", "truncated", "dropped"}).
+
+    Prompt tokens are labelled -100; a completion longer than the room left is cut from the right;
+    a row whose prompt alone fills `max_length` is dropped. The map is cached under a fingerprint
+    of the input dataset, tokenizer, kind and max_length.
+    """
+    if kind not in TOKENIZERS:
+        raise DataError(f"cannot tokenise {kind!r} rows: expected one of {', '.join(TOKENIZERS)}")
+    kwargs = {"tokenizer": tokenizer, "max_length": max_length}
+    if kind == "steps":
+        kwargs["separator"] = step_separator
+    key = json.dumps([ds._fingerprint, _tokenizer_digest(tokenizer), kind, max_length, step_separator])
+    mapped = ds.map(TOKENIZERS[kind], batched=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
+                    new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
+                    desc=f"tokenise {kind}")
+    status = mapped["_status"]
+    stats = {"rows": len(status), "truncated": status.count(TRUNCATED), "dropped": status.count(DROPPED)}
+    kept = mapped.filter(lambda s: s != DROPPED, input_columns="_status") if stats["dropped"] else mapped
+    return kept.remove_columns("_status"), stats
+
+
+# --- batching ---------------------------------------------------------------------------------
+
+def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
+    """Pad to the longest sequence given (not to a fixed length), on the left or right."""
+    longest = max(len(s) for s in seqs)
+    if side == "left":
+        return torch.tensor([[value] * (longest - len(s)) + list(s) for s in seqs])
+    return torch.tensor([list(s) + [value] * (longest - len(s)) for s in seqs])
+
+
+def collate(rows: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, Any]:
+    """A micro-batch padded to its own longest sequence; `X_input_ids` also yields `X_attention_mask`."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    out: dict[str, Any] = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        if isinstance(values[0], list):  # token-aligned columns
+            fill = IGNORE_INDEX if key.endswith("labels") else pad_token_id
+            out[key] = pad(values, fill, padding_side)
+            if key.endswith("input_ids"):
+                mask = [[1] * len(v) for v in values]
+                out[key[: -len("input_ids")] + "attention_mask"] = pad(mask, 0, padding_side)
+        elif isinstance(values[0], (bool, int, float)):
+            out[key] = torch.tensor(values)
+        else:
+            out[key] = values
+    return out
