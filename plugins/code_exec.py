@@ -57,7 +57,8 @@ class CodeExec:
 
     def __init__(self, config: Config | None = None):
         self.config = c = config or self.Config()
-        self.limits = Limits(cpu_s=c.cpu_s, wall_s=c.wall_s, memory_bytes=c.memory_mb << 20, processes=c.processes)
+        self.limits = Limits(cpu_s=c.cpu_s, wall_s=c.wall_s, memory_bytes=c.memory_mb << 20,
+                             processes=c.processes)
 
     def score_one(self, completion: str, tests: list[str] | str | None) -> float | None:
         """Run one completion against its tests; None when the sample has no tests."""
@@ -72,7 +73,7 @@ class CodeExec:
             return float(passed == len(tests))
         return passed / len(tests)
 
-    def __call__(self, prompts: list[str], completions: list[str], tests: list, **columns) -> list[float | None]:
+    def __call__(self, prompts: list[str], completions: list[str], tests: list, **columns) -> list:
         with ThreadPoolExecutor(max_workers=self.config.workers) as pool:
             return list(pool.map(self.score_one, completions, tests))
 

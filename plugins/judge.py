@@ -35,7 +35,8 @@ class Judge:
         def _known_placeholders(cls, v: str) -> str:
             names = {name for _, name, _, _ in string.Formatter().parse(v) if name is not None}
             if names - PLACEHOLDERS:
-                raise ValueError(f"unknown placeholders {sorted(names - PLACEHOLDERS)}; allowed: {sorted(PLACEHOLDERS)}")
+                raise ValueError(
+                    f"unknown placeholders {sorted(names - PLACEHOLDERS)}; allowed: {sorted(PLACEHOLDERS)}")
             return v
 
         @model_validator(mode="after")
@@ -98,7 +99,8 @@ class Judge:
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
         answers = columns.get("answer") or [""] * len(prompts)
-        texts = [self.render(p, c, "" if a is None else str(a)) for p, c, a in zip(prompts, completions, answers)]
+        answers = ["" if a is None else str(a) for a in answers]
+        texts = [self.render(p, c, a) for p, c, a in zip(prompts, completions, answers, strict=True)]
         return [self.parse(v) for v in self.generate(texts)]
 
 

@@ -21,7 +21,8 @@ class Overlong:
         @model_validator(mode="after")
         def _buffer_fits(self):
             if self.cache_length > self.max_length:
-                raise ValueError(f"cache_length ({self.cache_length}) must be <= max_length ({self.max_length})")
+                raise ValueError(
+                    f"cache_length ({self.cache_length}) must be <= max_length ({self.max_length})")
             return self
 
     def __init__(self, config: Config | None = None):

@@ -31,7 +31,8 @@ class RewardModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(config.path).to(self.device).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(f"{config.path}: a reward model has num_labels=1, got {self.model.config.num_labels}")
+            raise ValueError(
+                f"{config.path}: a reward model has num_labels=1, got {self.model.config.num_labels}")
         # The head pools at the last non-pad token, which it finds through pad_token_id.
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
@@ -47,8 +48,8 @@ class RewardModel:
             # Positions count real tokens only, so left padding does not shift them.
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             with torch.inference_mode():
-                logits = self.model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions).logits
-            scores += logits[:, 0].float().tolist()
+                out = self.model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=positions)
+            scores += out.logits[:, 0].float().tolist()
         return scores
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:

@@ -118,5 +118,5 @@ def test_builtin_rewards_are_registered():
     from alignflow.core import get_plugins
 
     rewards = get_plugins().rewards
-    for name in ["math_accuracy", "format", "overlong", "length"]:
+    for name in ["math_accuracy", "format", "overlong", "length", "code_exec", "reward_model", "judge"]:
         assert rewards.entry(name).distribution == "alignflow"

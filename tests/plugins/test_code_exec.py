@@ -14,7 +14,8 @@ GOOD = f"Here:\n```python\n{CODE}```\n"
 
 def sandbox_processes() -> list[int]:
     """Processes running under any sandbox uid."""
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid(p) in range(UID_BASE, UID_BASE + UID_SPAN)]
+    uids = range(UID_BASE, UID_BASE + UID_SPAN)
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid(p) in uids]
 
 
 def _uid(pid: str) -> int:

@@ -12,7 +12,8 @@ def char_tokenizer():
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,10 @@ def direct_scores(model, tokenizer):
     return out
 
 
-@pytest.mark.parametrize(("batch_size", "padding_side"), [(3, "right"), (3, "left"), (2, "right"), (1, "left")])
+@pytest.mark.parametrize(
+    ("batch_size", "padding_side"), [(3, "right"), (3, "left"), (2, "left"), (1, "right")],
+    ids=["full-right", "full-left", "split-left", "single"],
+)
 def test_scores_match_a_direct_forward_for_any_batching(checkpoint, batch_size, padding_side):
     reward = RewardModel(RewardModel.Config(path=str(checkpoint), batch_size=batch_size, device="cpu"))
     reward.tokenizer.padding_side = padding_side
