@@ -69,16 +69,15 @@ def _digits(n: int) -> list[int]:
 
 def _column(op: str, x: int, y: int, c: int, slip: int, last: bool) -> tuple[str, int, int] | None:
     """One column: (step text, value written, carry out); None if the column is impossible."""
-    sign = "-" if op == "-" else "+"
-    lhs = f"{x}{op}{y}" + (f"{sign}{c}" if c else "")
-    v = (x * y if op == "*" else x + y if op == "+" else x - y) + (-c if op == "-" else c) + slip
-    if op == "-" and v < 0:
-        if last:
-            return None
-        return f"1{lhs}={v + 10}", v + 10, 1
-    if v < 0:
-        return None
-    return f"{lhs}={v}", v, (v // 10 if op != "-" else 0)
+    lhs = f"{x}{op}{y}" + (f"{'-' if op == '-' else '+'}{c}" if c else "")
+    if op == "-":
+        v = x - y - c + slip
+        if v >= 0:
+            return f"{lhs}={v}", v, 0
+        # Borrow: the top digit is read as 1x, and the next column pays the 1 back.
+        return None if last else (f"1{lhs}={v + 10}", v + 10, 1)
+    v = (x * y if op == "*" else x + y) + c + slip
+    return (f"{lhs}={v}", v, v // 10) if v >= 0 else None
 
 
 def work(a: int, op: str, b: int, fault: tuple[int, str] | None = None) -> tuple[list[str], str] | None:
