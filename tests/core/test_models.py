@@ -114,7 +114,7 @@ def test_logprobs_from_logits_bf16_matches_fp32():
     torch.testing.assert_close(uniform, torch.tensor([[torch.log(torch.tensor(50.0))]]))
 
 
-def test_value_model_from_causal_lm(tiny):
+def test_value_model_from_causal_lm(tiny, tmp_path):
     value = load_value_model(tiny)
     assert value.score.out_features == 1 and value.score.weight.abs().sum() == 0
     tok = load_tokenizer(tiny)
@@ -124,6 +124,9 @@ def test_value_model_from_causal_lm(tiny):
     # token_values runs the same head as the transformers forward, at every position.
     full = token_values(value, ids, attn)
     torch.testing.assert_close(value(ids[:1, :4]).logits[0, 0], full[0, 3], atol=1e-5, rtol=0)
+    # A trained reward model keeps its head on reload (only a missing head starts at zero).
+    value.save_pretrained(tmp_path / "rm")
+    assert torch.equal(load_value_model(tmp_path / "rm").score.weight, value.score.weight)
     with pytest.raises(AlignflowError, match="no `score` head"):
         token_values(load_model(tiny), ids, attn)
 
