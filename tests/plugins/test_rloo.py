@@ -1,6 +1,5 @@
 """RLOO: leave-one-out baseline on KL-penalised sequence rewards; REINFORCE when the ratio is 1."""
 
-import pytest
 import torch
 
 from alignflow.core.aggregation import aggregate
