@@ -47,11 +47,11 @@ if not offline:  # an unprivileged user namespace owns its own network namespace
     offline = libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
 if not offline:
     import socket, _socket
-    def _no_network(*args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
+    class _NoSocket(socket.socket):  # a class, so that modules subclassing socket still import
+        def __init__(self, *args, **kwargs):
+            raise PermissionError("network access is disabled in the sandbox")
     for mod in (socket, _socket):
-        mod.socket = mod.SocketType = _no_network
-    socket.create_connection = socket.socketpair = socket.fromfd = _no_network
+        mod.socket = mod.SocketType = _NoSocket
 del ctypes, libc, cfg
 sys.argv = ["main.py"]
 with open("main.py") as f:

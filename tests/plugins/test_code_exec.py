@@ -77,7 +77,7 @@ def test_hostile_samples_score_zero_in_bounded_time_next_to_a_correct_one():
         with pytest.raises(BlockingIOError):
             server.accept()
     assert scores == [1.0] + [0.0] * len(hostile) + [1.0], dict(zip(["good", *hostile, "good"], scores))
-    assert elapsed < 12  # 9 samples, 4 at a time, each capped at a 3 s wall clock
+    assert elapsed < 15  # 9 samples, 4 at a time, each capped at a 3 s wall clock
     if os.geteuid() == 0:
         assert sandbox_processes() == []
 
