@@ -1,0 +1,58 @@
+import json
+from pathlib import Path
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_server():
+    """One real ephemeral Prefect server (temporary database) for every flow test."""
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def local_mlflow(monkeypatch):
+    """MLflow goes to the project's SQLite file, never to a server set in the environment."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+PROMPTS = ["1+1", "2+2", "1+1", "3+3", "4+4", "2+2", "5+5", "6+6", "7+7", "8+8"]
+
+# a -> b -> c, and d, a sibling of b reading from a.
+PIPELINE = """
+name: chain
+seed: 3
+stages:
+  a:
+    kind: select
+    inputs: {dataset: in.jsonl}
+    selectors: [dedup]
+  b:
+    kind: select
+    inputs: {dataset: "stage:a"}
+    selectors: [{name: subsample, config: {n: 5}}]
+  c:
+    kind: select
+    inputs: {dataset: "stage:b"}
+    selectors: [{name: column_filter, config: {column: level, in: [1, 2]}}]
+  d:
+    kind: select
+    inputs: {dataset: "stage:a"}
+    selectors: [{name: column_filter, config: {column: level, equals: 3}}]
+"""
+
+
+def write_project(root: Path) -> Path:
+    """A project folder with a small JSONL input and the chain pipeline."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": p, "level": i % 3 + 1} for i, p in enumerate(PROMPTS)]
+    (root / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "chain.yaml").write_text(PIPELINE)
+    return root
+
+
+@pytest.fixture(scope="session")
+def make_project():
+    return write_project
