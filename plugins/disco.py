@@ -93,8 +93,8 @@ class DisCO(RLAlgorithm):
             "disco/kl_old": kl,
             "disco/penalty": penalty,
             "disco/valid_group_frac": valid.float().mean(),
-            "disco/score_pos": scores[pos].mean() if pos.any() else scores.new_zeros(()),
-            "disco/score_neg": scores[neg].mean() if neg.any() else scores.new_zeros(()),
+            "disco/score_pos": masked_mean(scores, pos),
+            "disco/score_neg": masked_mean(scores, neg),
         }
         return per_token, {k: v.detach() for k, v in metrics.items()}
 

@@ -55,7 +55,8 @@ class LambdaGRPO(GRPO):
         lift = (1 + self.config.lift * z).clamp(min=self.config.min_lift)
         logits = lift ** self.lam.to(lift.device)
         # Softmax within each group; subtracting the group max keeps exp() finite and cancels exactly.
-        group_max = torch.zeros(n, device=lift.device).scatter_reduce(0, inverse, logits.detach(), "amax", include_self=False)
+        group_max = torch.zeros(n, device=lift.device)
+        group_max = group_max.scatter_reduce(0, inverse, logits.detach(), "amax", include_self=False)
         e = (logits - group_max[inverse]).exp()
         return count[inverse] * e / group_sum(e, inverse, n)[inverse]
 

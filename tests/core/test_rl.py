@@ -101,7 +101,48 @@ def test_micro_batches_sum_to_the_full_batch_loss():
     parts = [torch.tensor([0, 1]), torch.tensor([2, 3])]
     norm = StepNorm.of([r.response_mask[p] for p in parts])
     summed = sum(
-        aggregate(algo.loss(r.minibatch(p, logprobs=logprobs[p], advantages=adv))[0], r.response_mask[p], "token-mean", norm)
+        aggregate(algo.loss(r.minibatch(p, logprobs=logprobs[p], advantages=adv))[0], r.response_mask[p],
+                  algo.loss_agg_mode, norm)
         for p in parts
     )
     torch.testing.assert_close(summed, whole)
+
+
+def drive(algo, rollout) -> torch.Tensor:
+    """One optimizer step as the rl stage runs it, naming no algorithm; returns the step loss."""
+    rollout = rollout.select(algo.filter_groups(rollout))
+    advantages, returns = algo.advantages(rollout)
+    parts = [torch.arange(0, 4), torch.arange(4, 8)]  # whole groups of G = 4
+    norm = StepNorm.of([rollout.response_mask[p] for p in parts], algo.norm_constant(rollout))
+    torch.manual_seed(0)
+    total = 0.0
+    for p in parts:
+        logprobs = (rollout.old_logprobs[p] + 0.05 * torch.randn(4, 5)).requires_grad_()
+        values = (rollout.values[p] + 0.1).requires_grad_()
+        batch = rollout.minibatch(p, logprobs=logprobs, advantages=advantages, returns=returns, values=values)
+        per_token, metrics = algo.loss(batch)
+        loss = aggregate(per_token, batch.response_mask, algo.loss_agg_mode, norm)
+        if algo.requires_critic:
+            loss = loss + aggregate(algo.value_loss(batch)[0], batch.response_mask, algo.loss_agg_mode, norm)
+        loss.backward()
+        assert torch.isfinite(logprobs.grad).all() and logprobs.grad.abs().sum() > 0
+        assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+        total = total + loss.detach()
+    return total
+
+
+def test_every_registered_rl_algorithm_runs_through_the_contract():
+    from alignflow.core import get_plugins
+
+    rl = [e for e in get_plugins().algorithms if getattr(e.obj, "stage", None) == "rl"]
+    expected = {"grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
+    assert expected <= {e.name for e in rl}
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]] * 2)
+    correct = torch.tensor([1.0, 0, 0, 1, 0, 1, 0, 0])
+    rollout = make_rollout(rewards=correct, correct=correct, group=torch.arange(8) // 4, response_mask=mask,
+                           old_logprobs=torch.full((8, 5), -1.0), ref_logprobs=torch.full((8, 5), -1.1),
+                           values=torch.full((8, 5), 0.5), max_new_tokens=5)
+    for entry in rl:
+        algo = entry.obj()
+        assert isinstance(algo, RLAlgorithm)
+        assert torch.isfinite(drive(algo, rollout)), entry.name

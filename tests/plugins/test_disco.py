@@ -61,7 +61,8 @@ def test_logL_objective_value_and_gradient(parts):
 
 def test_Lratio_objective():
     ratios = torch.tensor([[1.2], [0.8], [1.1]])
-    r = Rollout(rewards=torch.tensor([1.0, 0, 0]), correct=torch.tensor([1.0, 0, 0]), group=torch.zeros(3, dtype=torch.long),
+    labels = torch.tensor([1.0, 0, 0])
+    r = Rollout(rewards=labels, correct=labels, group=torch.zeros(3, dtype=torch.long),
                 response_mask=torch.ones(3, 1), old_logprobs=torch.zeros(3, 1), max_new_tokens=1)
     algo = DisCO(DisCOConfig(score="Lratio"))
     per_token, m = algo.loss(r.minibatch(torch.arange(3), logprobs=ratios.log(), advantages=torch.zeros(3, 1)))
