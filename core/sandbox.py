@@ -29,30 +29,36 @@ from alignflow.core.errors import AlignflowError
 UID_BASE, UID_SPAN = 1 << 30, 1 << 28  # far above any account: a random pick collides with nothing
 
 # Runs in the child as root, before any user code: limits, network, privileges, then the program.
+SETUP_FAILED = "alignflow-sandbox-setup-failed"
 BOOTSTRAP = r"""
 import ctypes, json, os, resource, sys
-cfg = json.loads(sys.argv[1])
-for name, (soft, hard) in cfg["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (soft, hard))
-libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-offline = libc.unshare(CLONE_NEWNET) == 0  # needs CAP_SYS_ADMIN: root on most hosts
-if cfg["uid"] is not None:
-    os.setgroups([])
-    os.setgid(cfg["uid"])
-    os.setuid(cfg["uid"])
-    if 0 in os.getresuid() or 0 in os.getresgid():
-        os._exit(125)
-if not offline:  # an unprivileged user namespace owns its own network namespace
-    offline = libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
-if not offline:
-    import socket, _socket
-    class _NoSocket(socket.socket):  # a class, so that modules subclassing socket still import
-        def __init__(self, *args, **kwargs):
-            raise PermissionError("network access is disabled in the sandbox")
-    for mod in (socket, _socket):
-        mod.socket = mod.SocketType = _NoSocket
-del ctypes, libc, cfg
+def setup(cfg):
+    for name, (soft, hard) in cfg["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    libc = ctypes.CDLL(None, use_errno=True)
+    CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+    offline = libc.unshare(CLONE_NEWNET) == 0  # needs CAP_SYS_ADMIN: root on most hosts
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["uid"])
+        os.setuid(cfg["uid"])
+        if 0 in os.getresuid() or 0 in os.getresgid():
+            raise PermissionError("still root after setuid")
+    if not offline:  # an unprivileged user namespace owns its own network namespace
+        offline = libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+    if not offline:
+        import socket, _socket
+        class _NoSocket(socket.socket):  # a class, so that modules subclassing socket still import
+            def __init__(self, *args, **kwargs):
+                raise PermissionError("network access is disabled in the sandbox")
+        for mod in (socket, _socket):
+            mod.socket = mod.SocketType = _NoSocket
+try:
+    setup(json.loads(sys.argv[1]))
+except BaseException as exc:
+    sys.stderr.write(f"alignflow-sandbox-setup-failed: {exc!r}\n")
+    os._exit(125)
+del setup
 sys.argv = ["main.py"]
 with open("main.py") as f:
     code = compile(f.read(), "main.py", "exec")
@@ -114,6 +120,16 @@ def default_python() -> str:
     )
 
 
+def _pick_uid() -> int:
+    """A random uid from the reserved range, which must be mapped in this user namespace."""
+    for line in Path("/proc/self/uid_map").read_text().splitlines():
+        inside, _, count = map(int, line.split())
+        if inside <= UID_BASE and UID_BASE + UID_SPAN <= inside + count:
+            return random.SystemRandom().randrange(UID_BASE, UID_BASE + UID_SPAN)
+    raise SandboxError(f"uids {UID_BASE}..{UID_BASE + UID_SPAN} are not mapped in this user namespace "
+                       "(a rootless container?); run as a user other than root to sandbox without them")
+
+
 def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
     return {
         "RLIMIT_CPU": (limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU at the soft limit, SIGKILL at the hard
@@ -168,7 +184,7 @@ def run_python(code: str, limits: Limits | None = None, python: str | None = Non
     """Run `code` as `main.py` in a fresh scratch folder under the limits; the folder is removed after."""
     limits = limits or Limits()
     python = python or default_python()
-    uid = random.SystemRandom().randrange(UID_BASE, UID_BASE + UID_SPAN) if os.geteuid() == 0 else None
+    uid = _pick_uid() if os.geteuid() == 0 else None
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-sandbox-"))
     try:
         (workdir / "main.py").write_text(code)
@@ -192,7 +208,10 @@ def run_python(code: str, limits: Limits | None = None, python: str | None = Non
             proc.wait()
             if uid is not None:
                 _kill_uid(uid, python)  # includes processes that left the group with setsid
-            return SandboxResult(proc.returncode, _tail(out, limits.output_bytes),
-                                 _tail(err, limits.output_bytes), timed_out, seconds, uid)
+            result = SandboxResult(proc.returncode, _tail(out, limits.output_bytes),
+                                   _tail(err, limits.output_bytes), timed_out, seconds, uid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if result.returncode == 125 and SETUP_FAILED in result.stderr:
+        raise SandboxError(f"the sandbox could not be set up: {result.stderr.strip()[-500:]}")
+    return result

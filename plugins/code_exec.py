@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +11,9 @@ from typing import Literal
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.sandbox import Limits, run_python
+from alignflow.core.sandbox import Limits, SandboxError, run_python
+
+log = logging.getLogger(__name__)
 
 FENCE = re.compile(r"```(?:python|py)[^\n]*\n(.*?)```", re.DOTALL)
 
@@ -67,7 +70,11 @@ class CodeExec:
             return None
         marker = secrets.token_hex(16)
         program = f"{HARNESS}\n_alignflow_run({extract_code(completion)!r}, {tests!r}, {marker!r})\n"
-        result = run_python(program, self.limits, self.config.python)
+        try:
+            result = run_python(program, self.limits, self.config.python)
+        except SandboxError as exc:  # our failure, not the sample's: no score rather than a wrong 0
+            log.warning("code_exec: %s", exc)
+            return None
         passed = len(set(re.findall(rf"^{marker} (\d+)$", result.stdout, re.MULTILINE)))
         if self.config.score == "all":
             return float(passed == len(tests))

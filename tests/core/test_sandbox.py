@@ -128,3 +128,12 @@ def test_without_a_network_namespace_sockets_are_disabled(monkeypatch):
     result = run(code)
     assert result.ok, result.stderr
     assert result.stdout.split() == ["blocked"] * 3
+
+
+def test_a_failed_setup_is_a_sandbox_error_not_a_failed_program(monkeypatch):
+    import alignflow.core.sandbox as sandbox
+
+    broken = sandbox.BOOTSTRAP.replace("resource.setrlimit(", "resource.nope(")
+    monkeypatch.setattr(sandbox, "BOOTSTRAP", broken)
+    with pytest.raises(sandbox.SandboxError, match="could not be set up.*nope"):
+        run_python("print('never runs')", FAST)

@@ -92,3 +92,11 @@ def test_registered_with_a_validated_config():
     assert plugins.rewards.get("code_exec") is CodeExec
     with pytest.raises(Exception, match="score"):
         validate_config(CodeExec, {"score": "most"}, "code_exec.config")
+
+
+def test_a_broken_sandbox_gives_none_not_zero(monkeypatch):
+    import alignflow.core.sandbox as sandbox
+
+    broken = sandbox.BOOTSTRAP.replace("resource.setrlimit(", "resource.nope(")
+    monkeypatch.setattr(sandbox, "BOOTSTRAP", broken)
+    assert CodeExec()(["p"], [GOOD], tests=[TESTS]) == [None]
