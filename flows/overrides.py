@@ -44,4 +44,6 @@ def _set(node: Any, keys: list[str], value: Any, item: str) -> None:
         else:
             if isinstance(node, dict) and node.get(key) is None:
                 node[key] = {}
+            elif isinstance(node[key], str):
+                node[key] = {"name": node[key]}  # a bare plugin name, as in `selectors: [dedup]`
             node = node[key]
