@@ -1,23 +1,34 @@
 """The character-level tokenizer of the tiny default model, as a `PreTrainedTokenizerFast`.
 
-Every printable ASCII character and newline is one token. The R1 tags are single added tokens:
-a level-1 completion is then ~20 tokens instead of ~48, which fits RL's generation budget, and
-the tiny model cannot misspell a tag; they are not "special", so `decode(...,
+Byte-level BPE with no merges: each ASCII character is one token, any other byte one token
+each, so nothing is ever unknown. It is the pipeline `Qwen2Tokenizer` builds, because
+`AutoTokenizer` loads a Qwen2 checkpoint's tokenizer through that class whatever the
+tokenizer config says; both classes thus give the same ids. The R1 tags are single added
+tokens: a level-1 completion is ~20 tokens instead of ~48, which fits RL's generation budget,
+and the tiny model cannot misspell a tag. They are not "special", so `decode(...,
 skip_special_tokens=True)` keeps them for the format and accuracy rewards.
 """
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
 TAGS = ("<think>", "</think>", "<answer>", "</answer>")
-CHARS = "\n" + string.printable[:95]  # digits, letters, punctuation, space
+# Qwen2Tokenizer's split; with no merges it changes no ids, but keeps the two pipelines identical.
+SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's byte -> printable-character map, in byte order: printable bytes stand for themselves."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
 
 # Messages are concatenated as they are, so the chat form of a task prompt is the raw prompt
 # ("37+48="), identical to the prompt/completion form; each assistant turn ends with EOS.
@@ -32,11 +43,15 @@ CHAT_TEMPLATE = (
 
 
 def build_char_tokenizer(model_max_length: int = 256) -> PreTrainedTokenizerFast:
-    """A fresh character tokenizer: 4 special tokens, 96 characters, 4 tag tokens (104 ids)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARS))}
-    # BPE with no merges is exactly "one token per character", with an <unk> fallback.
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    core.decoder = decoders.Fuse()  # join characters without inserting spaces
+    """A fresh tokenizer: 4 special tokens (ids 0-3), 256 bytes, 4 tag tokens (264 ids)."""
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *byte_symbols()])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
     return PreTrainedTokenizerFast(
