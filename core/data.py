@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from alignflow.core.errors import DataError
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # label of tokens the loss skips (prompt and padding)
 
@@ -249,8 +252,10 @@ def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separato
     mapped = ds.map(TOKENIZERS[kind], batched=True, fn_kwargs=kwargs, remove_columns=ds.column_names,
                     new_fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
                     desc=f"tokenise {kind}")
-    status = mapped["_status"]
+    status = list(mapped["_status"])
     stats = {"rows": len(status), "truncated": status.count(TRUNCATED), "dropped": status.count(DROPPED)}
+    log.info("tokenised %d %s rows (max_length %d): %d truncated, %d dropped",
+             stats["rows"], kind, max_length, stats["truncated"], stats["dropped"])
     kept = mapped.filter(lambda s: s != DROPPED, input_columns="_status") if stats["dropped"] else mapped
     return kept.remove_columns("_status"), stats
 
