@@ -81,6 +81,31 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    """Rerun a recorded pipeline run (MLflow parent run id) from scratch; exit 1 unless metrics match."""
+    from alignflow.flows.reproduce import reproduce
+
+    report, mismatches = reproduce(args.run_id, Path.cwd())
+    report.render(console)
+    for key, (recorded, now) in sorted(mismatches.items()):
+        console.print(f"[red]{key}[/red]: recorded {recorded}, reproduced {now}")
+    ok = not mismatches and not report.failed
+    console.print("[green]final metrics match exactly[/green]" if ok else "[red]not reproduced[/red]")
+    return 0 if ok else 1
+
+
+def cmd_deploy(args) -> int:
+    """Create a scheduled Prefect deployment of a pipeline on a process work pool."""
+    from alignflow.flows.deploy import deploy
+
+    name = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name)
+    console.print(f"deployment {name!r} on work pool {args.pool!r}, schedule {args.cron!r}")
+    console.print(f"start a worker:   prefect worker start --pool {args.pool}")
+    console.print(f"run it now:       prefect deployment run '{name}'")
+    console.print("watch the runs:   prefect flow-run ls  (or the UI: prefect server start)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"alignflow {md.version('alignflow')}")
@@ -107,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help=cmd_data.__doc__)
     p.add_argument("--force", action="store_true", help="rewrite data/ even when it exists")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
+    p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")
+    p.set_defaults(func=cmd_reproduce)
+
+    p = sub.add_parser("deploy", help=cmd_deploy.__doc__)
+    p.add_argument("pipeline", help="path to a pipeline YAML")
+    p.add_argument("--cron", required=True, help='schedule, e.g. "0 3 * * *"')
+    p.add_argument("--pool", default="alignflow", help="process work pool (created if missing)")
+    p.add_argument("--name", help="deployment name (default: the pipeline's name)")
+    p.set_defaults(func=cmd_deploy)
     return parser
 
 
