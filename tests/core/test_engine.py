@@ -1,0 +1,177 @@
+"""The engine gives exactly the big-batch gradient under accumulation, data parallelism and ZeRO-2."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import engine_worker as worker
+from alignflow.core.aggregation import MODES, StepNorm, aggregate
+from alignflow.core.engine import Engine, frozen, lr_lambda
+from alignflow.core.errors import AlignflowError
+from alignflow.core.settings import TrainSettings
+
+WORKER = Path(worker.__file__)
+
+
+def qwen2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )
+    return transformers.Qwen2ForCausalLM(config).float()
+
+
+def launch(world: int, out: Path, *args: str) -> list[subprocess.Popen]:
+    """Start `world` worker processes forming one gloo group, as torchrun would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), *args], env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], out: Path) -> dict:
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+def run_here(out: Path, **kw) -> dict:
+    """The worker's run in this process (world 1), leaving global torch settings as they were."""
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    try:
+        return worker.run(out, **kw)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+
+
+def test_lr_schedules_warm_up_then_decay():
+    warm = lr_lambda("cosine", total_steps=10, warmup_ratio=0.2)  # 2 warmup steps
+    assert [warm(s) for s in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert warm(6) == pytest.approx(0.5)  # half-way through the 8 decay steps
+    assert lr_lambda("linear", 10, 0.0)(5) == pytest.approx(0.5)
+    assert lr_lambda("constant", 10, 0.0)(9) == 1.0
+
+
+def test_batch_must_split_into_micro_batches():
+    with pytest.raises(AlignflowError, match="batch_size=10"):
+        Engine.create(torch.nn.Linear(2, 2), TrainSettings(batch_size=10, micro_batch_size=4), 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulated_gradient_equals_big_batch(mode):
+    """Four micro-batches of uneven masks give the gradient of one batch four times as large."""
+    model = qwen2()
+    reference = copy.deepcopy(model)
+    ids, mask = worker.dataset(16)
+    adv = torch.randn(16)
+    constant = float(mask.shape[1])  # seq-mean-token-sum-norm: the generation budget T
+
+    big = aggregate(worker.per_token_loss(reference, ids, adv), mask, mode, StepNorm.of([mask], constant))
+    big.backward()
+
+    settings = TrainSettings(batch_size=16, micro_batch_size=4, grad_clip=0.0, lr=1e-3)
+    engine = Engine.create(model, settings, total_steps=1)
+    assert engine.grad_accum == 4
+    seen = worker.grad_capture(engine)
+    micros = torch.arange(16).split(4)
+    norm = engine.step_norm([mask[m] for m in micros], constant)
+    for m in micros:
+        engine.backward(aggregate(worker.per_token_loss(engine.model, ids[m], adv[m]), mask[m], mode, norm))
+    engine.step()
+
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(seen[name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+    # the check has teeth: normalising by each micro-batch's own counts gives another loss
+    with torch.no_grad():
+        wrong = sum(aggregate(worker.per_token_loss(reference, ids[m], adv[m]), mask[m], mode,
+                              StepNorm.of([mask[m]], constant)) for m in micros)
+    assert not math.isclose(wrong.item(), big.item(), rel_tol=1e-2)
+
+
+def test_step_reports_lr_and_grad_norm_and_clips():
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.5, lr_scheduler="linear", grad_clip=1.0)
+    engine = Engine.create(model, settings, total_steps=2)
+    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]])
+    engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4): norm 5, clipped to 1
+    metrics = engine.step()
+    assert metrics["lr"] == pytest.approx(0.5) and metrics["grad_norm"] == pytest.approx(5.0)
+    assert engine.step()["lr"] == pytest.approx(0.25)  # linear decay: half-way at step 1
+
+
+def test_steps_insists_on_one_optimizer_step_each():
+    engine = Engine.create(torch.nn.Linear(2, 2), TrainSettings(batch_size=1, micro_batch_size=1), 3)
+    with pytest.raises(AlignflowError, match="exactly once"):
+        for _ in engine.steps():
+            pass
+
+
+def test_frozen_reference_has_no_grad():
+    ref = frozen(torch.nn.Linear(3, 3), TrainSettings(dtype="bf16"))
+    assert not ref.training and all(not p.requires_grad for p in ref.parameters())
+    assert ref.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_bf16_training_lowers_the_loss(zero):
+    model = worker.tiny_model()
+    settings = TrainSettings(batch_size=8, micro_batch_size=4, lr=1e-2, dtype="bf16", zero_stage=zero)
+    engine = Engine.create(model, settings, total_steps=8)
+    ids, mask = worker.dataset(8)
+    losses = []
+    for _ in engine.steps():
+        norm = engine.step_norm([mask[:4], mask[4:]])
+        for m in (slice(0, 4), slice(4, 8)):
+            loss = aggregate(worker.per_token_loss(engine.model, ids[m], torch.ones(4)), mask[m], "token-mean", norm)
+            engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    assert losses[-1] < losses[0] - 0.1
+
+
+def test_two_ranks_equal_one_rank(tmp_path):
+    """Data parallel over 2 processes: the gradient the optimizer sees and the weights after it."""
+    procs = launch(2, tmp_path / "two", "--steps", "2", "--grads")
+    one = run_here(tmp_path / "one", steps=2, grads=True)  # overlaps with the two processes
+    two = finish(procs, tmp_path / "two")
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], g, rtol=1e-6, atol=1e-8)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-6, atol=1e-8)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-6)
+
+
+def test_zero2_two_ranks_follow_one_rank(tmp_path):
+    """ZeRO-2 over 2 processes trains like 1 process on the same global batch.
+
+    Only the order of fp32 additions differs (a 2-way all-reduce of the micro-batch sums), so
+    the losses agree to fp32 round-off: 1e-5 relative leaves two orders of magnitude of margin.
+    """
+    procs = launch(2, tmp_path / "two", "--steps", "4", "--zero", "2")
+    one = run_here(tmp_path / "one", steps=4, zero=2)
+    two = finish(procs, tmp_path / "two")
+    assert len(two["losses"]) == 4
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-7)
