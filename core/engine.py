@@ -74,7 +74,7 @@ def lr_lambda(kind: str, total_steps: int, warmup_ratio: float):
     return factor
 
 
-def ds_config(settings: TrainSettings, world_size: int) -> dict[str, Any]:
+def ds_config(settings: TrainSettings, world_size: int, num_params: int) -> dict[str, Any]:
     """The DeepSpeed config for these settings; errors name the fields that do not divide."""
     per_step = settings.micro_batch_size * world_size
     if settings.batch_size % per_step:
@@ -89,10 +89,20 @@ def ds_config(settings: TrainSettings, world_size: int) -> dict[str, Any]:
         # the loop, not a micro-step counter, decides when a step ends (RL steps vary in micro-batches)
         "managed_gradient_accumulation": False,
         "gradient_clipping": settings.grad_clip,
-        "zero_optimization": {"stage": settings.zero_stage},
+        "zero_optimization": {"stage": settings.zero_stage, **_buckets(num_params)},
         "bf16": {"enabled": settings.dtype == "bf16"},
         "steps_per_print": 2**31 - 1,
     }
+
+
+def _buckets(num_params: int) -> dict[str, int]:
+    """ZeRO's communication buffers, no larger than the model.
+
+    DeepSpeed's defaults (5e8 elements, 2 GB in fp32) are sized for large models on GPUs; for a
+    small model they only cost allocation time (seconds on a CPU) and memory.
+    """
+    size = min(int(5e8), max(num_params, 1))
+    return {"reduce_bucket_size": size, "allgather_bucket_size": size, "stage3_prefetch_bucket_size": size}
 
 
 def _adamw(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
@@ -134,7 +144,7 @@ class Engine:
         follows its policy's step), False or 0 starts fresh.
         """
         init_distributed()
-        config = ds_config(settings, dist.get_world_size())
+        config = ds_config(settings, dist.get_world_size(), sum(p.numel() for p in model.parameters()))
         # ZeRO-0 fp32 steps our torch AdamW directly and DeepSpeed drops the norm it clips by:
         # clip in the optimizer's pre-step hook instead, after DeepSpeed's all-reduce
         clip_here = settings.zero_stage == 0 and settings.dtype == "fp32"
@@ -265,7 +275,7 @@ def frozen(model: torch.nn.Module, settings: TrainSettings) -> torch.nn.Module:
     init_distributed()
     model.requires_grad_(False).eval()
     if settings.zero_stage == 3:
-        config = ds_config(settings, dist.get_world_size())
+        config = ds_config(settings, dist.get_world_size(), sum(p.numel() for p in model.parameters()))
         ds, *_ = deepspeed.initialize(model=model, config=config)
         return ds.eval()
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
