@@ -9,6 +9,16 @@ from pydantic import Field
 from alignflow.core.contracts import PluginConfig
 
 
+class GenerationSettings(PluginConfig):
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+def greedy() -> GenerationSettings:
+    return GenerationSettings(temperature=0.0)
+
+
 class TrainSettings(PluginConfig):
     """What every training stage shares: the optimiser, schedule, batching and engine."""
 
@@ -26,12 +36,10 @@ class TrainSettings(PluginConfig):
     zero_stage: Literal[0, 1, 2, 3] = 0
     dtype: Literal["fp32", "bf16"] = "fp32"
     save_every: int = Field(50, ge=1)  # optimizer steps between resumable checkpoints
-
-
-class GenerationSettings(PluginConfig):
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    log_every: int = Field(10, ge=1)  # optimizer steps between metric logs
+    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training rows held out for the held-out loss
+    eval_limit: int | None = Field(None, ge=1)  # eval_dataset prompts scored at the end (None: all)
+    eval_generation: GenerationSettings = Field(default_factory=greedy)
 
 
 class RLSettings(TrainSettings):
@@ -55,7 +63,7 @@ class SampleSettings(PluginConfig):
 class EvaluateSettings(SampleSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
     n: int = Field(1, ge=1)
-    generation: GenerationSettings = Field(default_factory=lambda: GenerationSettings(temperature=0.0))
+    generation: GenerationSettings = Field(default_factory=greedy)
 
 
 SETTINGS: dict[str, type[PluginConfig]] = {

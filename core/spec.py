@@ -13,24 +13,26 @@ from alignflow.core.contracts import StageKind, plugin_config_model
 from alignflow.core.errors import PluginError, SpecError
 
 STAGE_REF = "stage:"
+DEFAULT_SAMPLER = "hf"  # stages that generate use it unless the spec names another
 
 # What each stage kind reads, which plugins it takes, and which inputs it cannot run without.
+TRAIN_INPUTS = {"model", "dataset", "eval_dataset"}
+# Training stages may list rewards (and a sampler) to score `eval_dataset` completions at the end.
 KIND_RULES: dict[str, dict[str, Any]] = {
     "select": {"inputs": {"dataset"}, "required": {"dataset"}, "plugins": {"selectors"}},
-    "sft": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
-            "plugins": {"algorithm"}},
-    "reward_model": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
-                     "plugins": {"algorithm"}},
-    "prm": {"inputs": {"model", "dataset", "eval_dataset"}, "required": {"model", "dataset"},
-            "plugins": {"algorithm"}},
-    "preference": {"inputs": {"model", "dataset", "reference", "eval_dataset"},
-                   "required": {"model", "dataset"}, "plugins": {"algorithm"}},
-    "rl": {"inputs": {"model", "dataset", "reference", "reward_model", "critic", "eval_dataset"},
-           "required": {"model", "dataset"}, "plugins": {"algorithm", "rewards", "sampler"}},
-    "rejection_sampling": {"inputs": {"model", "dataset", "reward_model"},
-                           "required": {"model", "dataset"}, "plugins": {"rewards", "sampler"}},
+    "sft": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"},
+            "plugins": {"algorithm", "rewards", "sampler"}},
+    "reward_model": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
+    "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
+    "preference": {"inputs": TRAIN_INPUTS | {"reference"}, "required": {"model", "dataset"},
+                   "plugins": {"algorithm", "rewards", "sampler"}},
+    "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "critic"},
+           "required": {"model", "dataset"}, "plugins": {"algorithm", "rewards", "sampler"},
+           "needs_rewards": True},
+    "rejection_sampling": {"inputs": {"model", "dataset", "reward_model"}, "required": {"model", "dataset"},
+                           "plugins": {"rewards", "sampler"}, "needs_rewards": True},
     "evaluate": {"inputs": {"model", "dataset", "reward_model"}, "required": {"model", "dataset"},
-                 "plugins": {"rewards", "sampler"}},
+                 "plugins": {"rewards", "sampler"}, "needs_rewards": True},
 }
 
 
@@ -157,7 +159,7 @@ def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
             raise SpecError(f"{where}, {field}: a {stage.kind!r} stage takes no {field}")
     if "algorithm" in rules["plugins"] and stage.algorithm is None:
         raise SpecError(f"{where}, algorithm: required by a {stage.kind!r} stage")
-    if stage.kind in ("rl", "rejection_sampling", "evaluate") and not stage.rewards:
+    if rules.get("needs_rewards") and not stage.rewards:
         raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
 
     if stage.algorithm is not None:
@@ -165,6 +167,8 @@ def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
         if getattr(algo, "stage", None) != stage.kind:
             raise SpecError(f"{where}, algorithm: {stage.algorithm.name!r} serves "
                             f"{getattr(algo, 'stage', '?')!r} stages, not {stage.kind!r}")
+    if stage.sampler is None and stage.rewards and "sampler" in rules["plugins"]:
+        stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
     if stage.sampler is not None:
         _check_ref(where, "sampler", stage.sampler, plugins.samplers)
     for i, ref in enumerate(stage.rewards):

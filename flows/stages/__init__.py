@@ -68,8 +68,9 @@ Runner = Callable[[StageContext], StageResult]
 
 def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.select import run_select
+    from alignflow.flows.stages.sft import run_sft
 
-    return {"select": run_select}
+    return {"select": run_select, "sft": run_sft}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

@@ -1,0 +1,22 @@
+"""Score a model on a stage's `eval_dataset` with the stage's rewards (accuracy, pass@1, rewards)."""
+
+from __future__ import annotations
+
+from alignflow.core.data import load_rows
+from alignflow.core.rewards import RewardSet
+from alignflow.flows.stages import StageContext
+from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score
+from alignflow.flows.stages.training import plugin
+
+
+def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/") -> dict[str, float]:
+    """Greedy (per `eval_generation`) completions for `eval_dataset` prompts, scored; {} without rewards."""
+    if "eval_dataset" not in ctx.inputs or not ctx.spec.rewards:
+        return {}
+    s = ctx.settings
+    rows = load_rows(ctx.inputs["eval_dataset"], "prompt_answer").to_list()[: s.eval_limit]
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(model, tokenizer)
+    rewards = RewardSet.from_refs(ctx.spec.rewards, ctx.plugins)
+    scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, rewards)
+    return {prefix + k: v for k, v in accuracy_metrics(scored).items()}

@@ -1,0 +1,75 @@
+"""Generate completions for dataset prompts and score them: shared by evaluate, rl and rejection sampling.
+
+A completion is *correct* when the first reward listed scores at least 1 (exact for 0/1 verifiers,
+all tests passed for `code_exec`): accuracy and pass@k count those.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from alignflow.core.metrics import mean_pass_at_k
+from alignflow.core.rewards import RewardOutput, RewardSet
+from alignflow.core.sampling import Generation
+
+CORRECT_AT = 1.0 - 1e-6
+
+
+@dataclass
+class Scored:
+    """Completions for P prompts x n, their rewards, and which are correct."""
+
+    rows: list[dict]  # the dataset rows, one per prompt
+    n: int
+    generation: Generation
+    rewards: RewardOutput
+    correct: list[bool]
+
+    def counts(self) -> list[int]:
+        """Correct completions per prompt."""
+        out = [0] * len(self.rows)
+        for i, ok in zip(self.generation.prompt_index, self.correct):
+            out[i] += ok
+        return out
+
+
+def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
+    """Prompt token ids exactly as the training stages tokenise them."""
+    return tokenizer([r["prompt"] for r in rows]).input_ids
+
+
+def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
+    """The dataset's other columns, repeated for each completion, plus token lengths."""
+    keys = [k for k in rows[0] if k != "prompt"]
+    cols = {k: [rows[i][k] for i in generation.prompt_index] for k in keys}
+    cols["completion_ids"] = generation.completion_ids
+    cols["completion_lengths"] = generation.lengths
+    cols["truncated"] = generation.truncated
+    return cols
+
+
+def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,
+                       rewards: RewardSet) -> Scored:
+    """`n` completions per row's prompt, scored by every reward."""
+    generation = sampler.generate(prompt_ids(tokenizer, rows), n, gen, seed)
+    prompts = [rows[i]["prompt"] for i in generation.prompt_index]
+    out = rewards(prompts, generation.texts, **columns_for(rows, generation))
+    first = out.values[rewards.rewards[0].name]
+    correct = [v is not None and v >= CORRECT_AT for v in first]
+    return Scored(rows, n, generation, out, correct)
+
+
+def accuracy_metrics(scored: Scored, ks: list[int] = (1,)) -> dict[str, float]:
+    """accuracy, pass@k for each k <= n, mean length, truncation share, and reward means."""
+    lengths = scored.generation.lengths
+    metrics = {
+        "accuracy": sum(scored.correct) / len(scored.correct),
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/truncated": sum(scored.generation.truncated) / len(lengths),
+        **scored.rewards.metrics,
+    }
+    for k in ks:
+        if k <= scored.n:
+            metrics[f"pass_at_{k}"] = mean_pass_at_k(scored.counts(), scored.n, k)
+    return metrics

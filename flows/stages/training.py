@@ -1,0 +1,73 @@
+"""What the training stages share: model inputs, plugin instances, data order and saving."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from alignflow.core.errors import SpecError
+from alignflow.core.spec import PluginRef, validate_config
+from alignflow.flows.stages import StageContext
+
+BUILTIN = "builtin:"
+
+
+@contextmanager
+def model_source(ctx: StageContext, key: str = "model") -> Iterator[str]:
+    """A model input as something `from_pretrained` loads; `builtin:tiny` is built on the fly."""
+    value = ctx.inputs[key]
+    if isinstance(value, str) and value.startswith(BUILTIN):
+        name = value[len(BUILTIN):]
+        if name != "tiny":
+            raise SpecError(f"stage {ctx.name!r}, inputs.{key}: unknown built-in model {name!r} (known: tiny)")
+        from alignflow.core.models import build_tiny
+
+        with tempfile.TemporaryDirectory() as tmp:
+            yield str(build_tiny(Path(tmp), seed=0))
+        return
+    yield str(value)
+
+
+def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):
+    """Instantiate a registered plugin class with its validated `config:` block."""
+    cls = registry.get(ref.name)
+    return cls(validate_config(cls, ref.config, f"stage {ctx.name!r}, {field}.config"))
+
+
+def total_steps(n_rows: int, settings) -> int:
+    """Optimizer steps: `max_steps`, or `epochs` passes over the rows in whole batches."""
+    if settings.max_steps is not None:
+        return settings.max_steps
+    per_epoch = n_rows // settings.batch_size
+    if per_epoch == 0:
+        raise SpecError(f"batch_size={settings.batch_size} is larger than the dataset ({n_rows} rows)")
+    return max(1, math.ceil(settings.epochs * per_epoch))
+
+
+def step_rows(step: int, n_rows: int, batch_size: int, seed: int) -> list[int]:
+    """Row indices of optimizer step `step`: a fresh seeded permutation per epoch, whole batches only.
+
+    A pure function of the step, so a resumed run draws exactly the rows an uninterrupted run would.
+    """
+    per_epoch = n_rows // batch_size
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    return order[index * batch_size: (index + 1) * batch_size].tolist()
+
+
+def micro_slices(rows: list[int], micro: int) -> list[list[int]]:
+    return [rows[i: i + micro] for i in range(0, len(rows), micro)]
+
+
+def save_pretrained(engine, tokenizer, out: Path) -> Path:
+    """The trained weights as an ordinary transformers checkpoint (gathered under ZeRO-3)."""
+    state = engine.full_state_dict()
+    if engine.rank == 0:
+        engine.module.save_pretrained(out, state_dict=state)
+        tokenizer.save_pretrained(out)
+    return out
