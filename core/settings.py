@@ -43,11 +43,20 @@ class TrainSettings(PluginConfig):
 
 
 class RLSettings(TrainSettings):
+    """Online RL: `max_steps` counts rollouts; `batch_size`/`micro_batch_size` count sequences."""
+
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)  # G completions per prompt
     ppo_epochs: int = Field(1, ge=1)  # mu: update passes over each rollout batch
+    batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step; None: the whole rollout
+    lr: float = 1e-6
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
-    eval_every: int = Field(0, ge=0)
+    eval_every: int = Field(0, ge=0)  # rollouts between held-out evaluations (0: only at the end)
+    critic_lr: float | None = None  # None: lr
+    # A no-grad forward for pi_old instead of the sampler's log-probs: for samplers whose numerics
+    # differ from the trainer's (vLLM, bf16); on CPU the sampler's are the same distribution.
+    recompute_old_logprobs: bool = False
 
 
 class SelectSettings(PluginConfig):
@@ -58,12 +67,16 @@ class SampleSettings(PluginConfig):
     seed: int | None = None
     n: int = Field(4, ge=1)  # completions per prompt
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair
+    output: Literal["sft", "pairs"] = "sft"
 
 
 class EvaluateSettings(SampleSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
     n: int = Field(1, ge=1)
     generation: GenerationSettings = Field(default_factory=greedy)
+    limit: int | None = Field(None, ge=1)  # score only the first `limit` prompts
+    group_by: str | None = "level"  # a column to report accuracy per value of, when rows have it
 
 
 SETTINGS: dict[str, type[PluginConfig]] = {

@@ -68,9 +68,10 @@ Runner = Callable[[StageContext], StageResult]
 
 def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.select import run_select
+    from alignflow.flows.stages.evaluate import run_evaluate
     from alignflow.flows.stages.sft import run_sft
 
-    return {"select": run_select, "sft": run_sft}
+    return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

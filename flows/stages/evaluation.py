@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from alignflow.core.data import load_rows
-from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score
+from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score, reward_set
 from alignflow.flows.stages.training import plugin
 
 
@@ -17,6 +16,6 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/") -
     rows = load_rows(ctx.inputs["eval_dataset"], "prompt_answer").to_list()[: s.eval_limit]
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)
-    rewards = RewardSet.from_refs(ctx.spec.rewards, ctx.plugins)
+    rewards = reward_set(ctx)
     scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, rewards)
     return {prefix + k: v for k, v in accuracy_metrics(scored).items()}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.rewards import RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
@@ -31,6 +32,25 @@ class Scored:
         for i, ok in zip(self.generation.prompt_index, self.correct):
             out[i] += ok
         return out
+
+
+def reward_set(ctx) -> RewardSet:
+    """The stage's rewards; a config value `${inputs.NAME}` becomes that resolved stage input."""
+    refs = []
+    for ref in ctx.spec.rewards:
+        config = {k: _input_value(ctx, v) for k, v in ref.config.items()}
+        refs.append((ref.name, ref.weight, config))
+    return RewardSet.from_refs(refs, ctx.plugins)
+
+
+def _input_value(ctx, value):
+    if isinstance(value, str) and value.startswith("${inputs.") and value.endswith("}"):
+        name = value[len("${inputs."):-1]
+        if name not in ctx.inputs:
+            raise SpecError(f"stage {ctx.name!r}: a reward config refers to {value}, but the stage has no "
+                            f"input {name!r} (inputs: {', '.join(ctx.inputs)})")
+        return str(ctx.inputs[name])
+    return value
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:

@@ -10,6 +10,7 @@ from alignflow.core.data import collate, load_rows, tokenize
 from alignflow.core.engine import Engine
 from alignflow.core.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.preference import TokenBatch
+from alignflow.core.progress import progress
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.training import (micro_slices, model_source, plugin, save_pretrained, step_rows,
@@ -35,6 +36,25 @@ def held_out_loss(engine, algo, rows, micro: int, pad_id: int) -> float:
     return total
 
 
+def train_loop(ctx: StageContext, engine, algo, train, pad_id: int, bar) -> None:
+    """The optimizer steps left: seeded batches, step-normalised micro-batch losses, checkpoints."""
+    s = ctx.settings
+    for step in engine.steps():
+        local = step_rows(step, len(train), s.batch_size, ctx.seed)[engine.rank::engine.world_size]
+        batches = [collate(train.select(idx).to_list(), pad_id) for idx in micro_slices(local, s.micro_batch_size)]
+        norm = engine.step_norm([(b["labels"] != -100).float() for b in batches])
+        loss = 0.0
+        for batch in batches:
+            micro_loss, _ = algo.loss(token_batch(engine, batch), norm)
+            engine.backward(micro_loss)
+            loss += micro_loss.item()
+        metrics = {"loss": loss, **engine.step()}
+        bar.update(tokens=int(norm.num_tokens), **metrics)
+        if engine.step_count % s.log_every == 0 or engine.step_count == engine.total_steps:
+            ctx.log_metrics(metrics, engine.step_count)
+        engine.maybe_save({"step": engine.step_count, "loss": loss})
+
+
 def run_sft(ctx: StageContext) -> StageResult:
     """Train, report the held-out loss (and eval_dataset accuracy with rewards), save the model."""
     s = ctx.settings
@@ -51,22 +71,11 @@ def run_sft(ctx: StageContext) -> StageResult:
     torch.manual_seed(ctx.seed)
     engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
     pad_id = tokenizer.pad_token_id
-    metrics: dict[str, float] = {}
-    for step in engine.steps():
-        local = step_rows(step, len(train), s.batch_size, ctx.seed)[engine.rank::engine.world_size]
-        batches = [collate(train.select(idx).to_list(), pad_id) for idx in micro_slices(local, s.micro_batch_size)]
-        norm = engine.step_norm([(b["labels"] != -100).float() for b in batches])
-        loss = 0.0
-        for batch in batches:
-            micro_loss, _ = algo.loss(token_batch(engine, batch), norm)
-            engine.backward(micro_loss)
-            loss += micro_loss.item()
-        metrics = {"loss": loss, **engine.step(), "tokens": norm.num_tokens}
-        if engine.step_count % s.log_every == 0 or engine.step_count == steps:
-            ctx.log_metrics(metrics, engine.step_count)
-        engine.maybe_save({"step": engine.step_count})
-
-    final = {"train/loss": metrics.get("loss", math.nan), "steps": float(steps)}
+    with progress(ctx.name, total=steps, initial=engine.step_count) as bar:
+        train_loop(ctx, engine, algo, train, pad_id, bar)
+    # a run resumed after its last step trained nothing now: its loss is in the checkpoint
+    last_loss = bar.metrics.get("loss", (engine.data_state or {}).get("loss", math.nan))
+    final = {"train/loss": float(last_loss), "steps": float(steps)}
     if held_out is not None:
         final["eval/loss"] = held_out_loss(engine, algo, held_out.to_list(), s.micro_batch_size, pad_id)
     out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")

@@ -1,0 +1,64 @@
+"""The evaluate stage: accuracy, pass@k and per-level accuracy agree with the samples it writes."""
+
+import json
+import math
+
+import pytest
+
+import alignflow.plugins.hf
+from alignflow.core import hookimpl
+from alignflow.core.models import build_tiny
+from alignflow.core.plugins import Plugins
+from alignflow.core.settings import EvaluateSettings
+from alignflow.core.spec import parse_spec
+from alignflow.flows.stages import StageContext
+from alignflow.flows.stages.evaluate import run_evaluate
+
+
+def even_length(prompts, completions, **_):
+    """1 when the completion has an even number of characters: a coin flip the test can recount."""
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+class Rewards:
+    @staticmethod
+    @hookimpl
+    def register_rewards(register):
+        register("even_length", even_length)
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    p = Plugins()
+    p.add(alignflow.plugins.hf, "hf")
+    p.add(Rewards, "rewards")
+    return p
+
+
+def test_metrics_match_the_written_samples(tmp_path, plugins):
+    model = build_tiny(tmp_path / "model", seed=1)
+    data = tmp_path / "test.jsonl"
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": 1 + a % 2} for a in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = parse_spec({"name": "e", "stages": {"eval": {
+        "kind": "evaluate", "inputs": {"model": str(model), "dataset": str(data)}, "rewards": ["even_length"],
+        "settings": {"n": 4, "k": [1, 2, 4], "generation": {"max_new_tokens": 6, "temperature": 1.0}}}}},
+        plugins=plugins)
+    stage = spec.stages["eval"]
+    ctx = StageContext("eval", stage, EvaluateSettings.model_validate(stage.settings), stage.inputs,
+                       tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, plugins)
+    ctx.work_dir.mkdir()
+    result = run_evaluate(ctx)
+
+    samples = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
+    assert len(samples) == 6 * 4
+    assert all(s["correct"] == (len(s["completion"]) % 2 == 0) for s in samples)
+    correct = [sum(s["correct"] for s in samples[i * 4:(i + 1) * 4]) for i in range(6)]
+    m = result.metrics
+    assert m["accuracy"] == pytest.approx(sum(correct) / 24)
+    assert m["pass_at_1"] == pytest.approx(sum(correct) / 24)
+    assert m["pass_at_4"] == pytest.approx(sum(c > 0 for c in correct) / 6)
+    assert m["pass_at_2"] == pytest.approx(sum(1 - math.comb(4 - c, 2) / math.comb(4, 2) for c in correct) / 6)
+    level1 = [c for i, c in enumerate(correct) if rows[i]["level"] == 1]
+    assert m["accuracy/level_1"] == pytest.approx(sum(level1) / (4 * len(level1)))
+    assert result.headline == "accuracy"
