@@ -277,7 +277,8 @@ def frozen(model: torch.nn.Module, settings: TrainSettings) -> torch.nn.Module:
     if settings.zero_stage == 3:
         config = ds_config(settings, dist.get_world_size(), sum(p.numel() for p in model.parameters()))
         ds, *_ = deepspeed.initialize(model=model, config=config)
-        return ds.eval()
+        # DeepSpeedEngine.train/eval only reach the inner module and return None; Module.train sets both
+        return torch.nn.Module.train(ds, False)
     dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     device = get_accelerator().current_device_name()
     return model.to(device=device, dtype=dtype)

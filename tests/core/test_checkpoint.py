@@ -21,10 +21,10 @@ from alignflow.core.engine import Engine
 from alignflow.core.settings import TrainSettings
 
 
-def train(out, steps: int, total: int = 6, resume=True) -> Engine:
+def train(out, steps: int, total: int = 6, resume=True, **settings) -> Engine:
     """A few steps of a tiny model with a fixed data order, saving every 2 steps."""
     torch.manual_seed(0)
-    settings = TrainSettings(batch_size=4, micro_batch_size=4, lr=1e-2, save_every=2)
+    settings = TrainSettings(batch_size=4, micro_batch_size=4, lr=1e-2, save_every=2, **settings)
     engine = Engine.create(worker.tiny_model(), settings, total_steps=total, out_dir=out, resume=resume)
     ids, mask = worker.dataset(4 * total)
     for step in engine.steps():
@@ -60,6 +60,24 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert result["losses"] == reference["losses"][2:]  # steps 3..6, redone from step 2
     for name, w in reference["weights"].items():
         assert torch.equal(result["weights"][name], w), name
+
+
+@pytest.mark.parametrize("zero,dtype", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
+def test_resume_restores_zero_optimizer_state(tmp_path, zero, dtype):
+    straight = weights(train(tmp_path / "straight", steps=4, zero_stage=zero, dtype=dtype))
+    train(tmp_path / "split", steps=2, zero_stage=zero, dtype=dtype)
+    resumed = train(tmp_path / "split", steps=4, zero_stage=zero, dtype=dtype)
+    for name, w in weights(resumed).items():
+        assert torch.equal(w, straight[name]), name
+
+
+def test_critic_resumes_at_its_policy_step(tmp_path):
+    """A critic saved after its policy may be one checkpoint ahead when killed; it follows the policy."""
+    train(tmp_path / "policy", steps=2)
+    train(tmp_path / "critic", steps=4)  # the policy's step-4 save never happened
+    policy = train(tmp_path / "policy", steps=0)
+    critic = train(tmp_path / "critic", steps=0, resume=policy.step_count)
+    assert policy.step_count == critic.step_count == 2
 
 
 def run_here(out):

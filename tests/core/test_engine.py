@@ -126,10 +126,17 @@ def test_steps_insists_on_one_optimizer_step_each():
             pass
 
 
-def test_frozen_reference_has_no_grad():
-    ref = frozen(torch.nn.Linear(3, 3), TrainSettings(dtype="bf16"))
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_reference_has_no_grad(zero):
+    model = worker.tiny_model()
+    ids, _ = worker.dataset(2)
+    expected = model(ids).to(torch.bfloat16)
+    ref = frozen(model, TrainSettings(dtype="bf16", zero_stage=zero))
     assert not ref.training and all(not p.requires_grad for p in ref.parameters())
-    assert ref.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        out = ref(ids)
+    assert out.dtype == torch.bfloat16 and not out.requires_grad
+    torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)  # bf16 weights: 3 significant digits
 
 
 @pytest.mark.parametrize("zero", [0, 3])
@@ -147,6 +154,8 @@ def test_bf16_training_lowers_the_loss(zero):
         engine.step()
         losses.append(loss.item())
     assert next(engine.module.parameters()).dtype == torch.bfloat16
+    full = engine.full_state_dict()  # gathered from ZeRO-3 shards
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in worker.tiny_model().state_dict().items()}
     assert losses[-1] < losses[0] - 0.1
 
 
