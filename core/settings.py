@@ -52,6 +52,7 @@ class RLSettings(TrainSettings):
     lr: float = 1e-6
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    log_every: int = Field(1, ge=1)
     eval_every: int = Field(0, ge=0)  # rollouts between held-out evaluations (0: only at the end)
     critic_lr: float | None = None  # None: lr
     # A no-grad forward for pi_old instead of the sampler's log-probs: for samplers whose numerics

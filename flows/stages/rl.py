@@ -1,0 +1,170 @@
+"""The `rl` stage: online RL with any registered RL algorithm, driven by its flags alone.
+
+Per step: draw prompts -> G completions each through the sampler -> rewards -> the algorithm's
+group filter (refilling rounds) -> padded tensors -> reference log-probs / critic values when the
+algorithm needs them -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
+the sampler takes the new weights. pi_old is the sampler's own log-probs: no extra forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from alignflow.core.data import load_rows
+from alignflow.core.engine import Engine, frozen
+from alignflow.core.errors import SpecError
+from alignflow.core.models import load_model, load_tokenizer, load_value_model, token_logprobs
+from alignflow.core.progress import progress
+from alignflow.core.rewards import RewardSet
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.evaluation import evaluate_model
+from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, to_batch
+from alignflow.flows.stages.rl_update import prepare, rollout_stats, update
+from alignflow.flows.stages.training import model_source, plugin, save_pretrained
+
+EXTRA = "rl_extra_parameters"  # algorithm parameters (λ-GRPO's λ) ride on the policy module
+
+
+def rl_steps(n_rows: int, s) -> int:
+    """Rollouts to train on: `max_steps`, or `epochs` passes over the prompts."""
+    if s.max_steps is not None:
+        return s.max_steps
+    if n_rows < s.prompts_per_step:
+        raise SpecError(f"prompts_per_step={s.prompts_per_step} is larger than the dataset ({n_rows} rows)")
+    return max(1, math.ceil(s.epochs * (n_rows // s.prompts_per_step)))
+
+
+def minibatches_per_rollout(ctx: StageContext, algo) -> int:
+    """Optimizer steps per epoch over a rollout; checks that batches divide into whole groups."""
+    s, where = ctx.settings, f"stage {ctx.name!r}, settings"
+    rollout = s.prompts_per_step * s.group_size
+    size = s.batch_size or rollout
+    if rollout % size or size % s.micro_batch_size:
+        raise SpecError(f"{where}: batch_size={size} must divide prompts_per_step x group_size={rollout} "
+                        f"and be a multiple of micro_batch_size={s.micro_batch_size}")
+    if algo.requires_whole_groups and s.micro_batch_size % s.group_size:
+        raise SpecError(f"{where}.micro_batch_size: {ctx.spec.algorithm.name} needs whole groups per micro-batch:"
+                        f" a multiple of group_size={s.group_size}, got {s.micro_batch_size}")
+    return rollout // size
+
+
+def load_reference(ctx: StageContext, policy_source: str):
+    """The frozen reference: the `reference` input, else the initial policy."""
+    if "reference" not in ctx.inputs:
+        return frozen(load_model(policy_source, dtype=ctx.settings.dtype), ctx.settings)
+    with model_source(ctx, "reference") as src:
+        return frozen(load_model(src, dtype=ctx.settings.dtype), ctx.settings)
+
+
+def engines(ctx: StageContext, model, critic, total: int, updates: int):
+    """The policy engine (resumed) and the critic engine resumed at the policy's step."""
+    s = ctx.settings
+    # The engine counts optimizer steps: `updates` per rollout, checkpoints on rollout boundaries.
+    train = s.model_copy(update={"batch_size": s.batch_size or s.prompts_per_step * s.group_size,
+                                 "save_every": s.save_every * updates})
+    torch.manual_seed(ctx.seed)
+    engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
+    if critic is not None:
+        critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr})
+        critic = Engine.create(critic, critic_settings, total * updates, ctx.checkpoint_dir / "critic",
+                               resume=engine.step_count)
+    return engine, critic
+
+
+@dataclass
+class Parts:
+    """What every step uses: the algorithm, the models around it and the data."""
+
+    algo: Any
+    engine: Engine
+    critic: Engine | None
+    reference: torch.nn.Module | None
+    sampler: Any
+    rewards: RewardSet
+    tokenizer: Any
+    dataset: list[dict]
+    n_minibatches: int  # optimizer steps per epoch over a rollout
+
+
+def run_rl(ctx: StageContext) -> StageResult:
+    """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
+    s = ctx.settings
+    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
+    updates = s.ppo_epochs * n_minibatches
+    with model_source(ctx) as src:
+        tokenizer = load_tokenizer(src)
+        model = load_model(src, dtype=s.dtype)
+        reference = load_reference(ctx, src) if algo.requires_reference else None
+        critic = load_value_model(ctx.inputs.get("critic", src), dtype=s.dtype) if algo.requires_critic else None
+    if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
+        model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
+    engine, critic = engines(ctx, model, critic, total, updates)
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(engine.module, tokenizer)
+    parts = Parts(algo, engine, critic, reference, sampler, RewardSet.from_refs(ctx.spec.rewards, ctx.plugins),
+                  tokenizer, dataset, n_minibatches)
+    metrics: dict[str, float] = {}
+    with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
+        for step in range(engine.step_count // updates, total):
+            metrics = rl_step(ctx, parts, step)
+            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
+                metrics.update(evaluate_model(ctx, engine.module, tokenizer))
+            bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
+                       accuracy=metrics["accuracy"])
+            if (step + 1) % s.log_every == 0 or step + 1 == total:
+                ctx.log_metrics(metrics, step + 1)
+            if critic is not None:  # first, so the policy's newest checkpoint always has its critic
+                critic.maybe_save({"step": step + 1})
+            engine.maybe_save({"step": step + 1})
+    if hasattr(engine.module, EXTRA):
+        delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
+    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
+    final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, tokenizer))
+    ctx.log_metrics(final, total)
+    headline = "eval/accuracy" if "eval/accuracy" in final else None
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+
+
+def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
+    """Generate, score, filter, prepare, compute advantages, update; returns the step's metrics."""
+    s, gen = ctx.settings, ctx.settings.generation
+    start = time.perf_counter()
+    kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
+                                   p.tokenizer.pad_token_id)
+    metrics.update(rollout_metrics(kept, drawn))
+    prepared = time.perf_counter()
+    if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
+        for _ in range(p.n_minibatches * s.ppo_epochs):
+            for engine in filter(None, (p.engine, p.critic)):
+                engine.step()
+        return {**metrics, "perf/tokens": 0.0}
+    temperature = gen.temperature if gen.temperature > 0 else 1.0  # greedy log-probs: the plain softmax
+
+    def logprobs(model):
+        return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature)
+
+    batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens).to(p.engine.device)
+    recompute = s.recompute_old_logprobs or (kept.logprobs is None and p.algo.needs_old_logprobs)
+    batch = prepare(batch, p.algo, micro=s.micro_batch_size, policy=logprobs(p.engine.model) if recompute else None,
+                    reference=logprobs(p.reference) if p.reference is not None else None,
+                    critic=p.critic.module if p.critic is not None else None)
+    advantages, returns = p.algo.advantages(batch.rollout)
+    trained = time.perf_counter()
+    metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches, temperature,
+                          torch.Generator().manual_seed(ctx.seed * 1_000_003 + step)))
+    p.sampler.update_weights(p.engine.module)
+    end = time.perf_counter()
+    generated = float(sum(len(c) for c in drawn.completion_ids))
+    metrics.update(rollout_stats(batch.rollout, advantages))
+    metrics.update({"time/prepare": trained - prepared, "time/train": end - trained, "time/step": end - start,
+                    "perf/tokens": generated, "perf/tokens_per_s": generated / (end - start),
+                    "perf/completions_per_s": len(drawn) / (end - start)})
+    return metrics

@@ -1,0 +1,176 @@
+"""Rollouts of the `rl` stage: draw prompts, generate G completions each, score, filter, tensorise.
+
+Everything here is a pure function of the step (prompt draw and sampling seed), so a resumed run
+regenerates exactly the rollouts an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from alignflow.core.data import pad
+from alignflow.core.rl import Rollout
+from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
+from alignflow.flows.stages.training import step_rows
+
+ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
+
+
+@dataclass
+class Samples:
+    """Scored completions as lists, one entry per completion; `group` numbers prompts across rounds."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]] | None  # the sampler's, of the distribution it sampled from
+    group: list[int]
+    reward: list[float]  # weighted total
+    correct: list[bool]  # the first reward scored >= 1
+    truncated: list[bool]
+    values: dict[str, list[float | None]]  # each reward's raw scores
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def take(self, rows: list[int]) -> "Samples":
+        def pick(v):
+            if isinstance(v, dict):
+                return {k: pick(x) for k, x in v.items()}
+            return None if v is None else [v[i] for i in rows]
+
+        return Samples(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
+
+    @staticmethod
+    def join(parts: list["Samples"]) -> "Samples":
+        first = parts[0]
+
+        def cat(name):
+            if getattr(first, name) is None:
+                return None
+            if name == "values":
+                return {k: sum((p.values[k] for p in parts), []) for k in first.values}
+            return sum((getattr(p, name) for p in parts), [])
+
+        return Samples(**{f.name: cat(f.name) for f in fields(first)})
+
+
+@dataclass
+class Batch:
+    """A rollout as the trainer sees it: right-padded prompt+completion ids and the `Rollout` on them.
+
+    The Rollout's T axis is the sequence axis: `response_mask` marks completion tokens (EOS included)
+    and log-probs sit at the position of the token they score.
+    """
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    rollout: Rollout
+
+    def to(self, device) -> "Batch":
+        moved = {f.name: getattr(self.rollout, f.name).to(device) for f in fields(self.rollout)
+                 if isinstance(getattr(self.rollout, f.name), torch.Tensor)}
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), replace(self.rollout, **moved))
+
+    def view(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, attention, response mask) of `rows`, cut to their own longest sequence."""
+        attn = self.attention_mask[rows]
+        width = int(attn.sum(-1).max())
+        return self.input_ids[rows, :width], attn[:, :width], self.rollout.response_mask[rows, :width]
+
+
+def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> list[int]:
+    """Rows drawn at `step` for generation round `round_` (round 0 walks the seeded epochs)."""
+    return step_rows(step, n_rows, k, seed if round_ == 0 else seed + ROUND_SEED * round_)
+
+
+def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
+                   group_offset: int) -> tuple[Samples, dict[str, float]]:
+    """G completions for each of `rows`, scored; timings of generation and scoring."""
+    start = time.perf_counter()
+    scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards)
+    g = scored.generation
+    gen_s = g.timings.get("generate_s", time.perf_counter() - start)
+    prompts = prompt_ids(tokenizer, rows)
+    samples = Samples(
+        prompt_ids=[prompts[i] for i in g.prompt_index], completion_ids=g.completion_ids,
+        logprobs=g.logprobs, group=[group_offset + i for i in g.prompt_index], reward=scored.rewards.total,
+        correct=scored.correct, truncated=g.truncated, values=scored.rewards.values,
+    )
+    return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
+
+
+def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int):
+    """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill
+    up to `algo.max_gen_batches` rounds (0: until full), trim to `prompts_per_step` groups.
+    """
+    s = ctx.settings
+    G, want = s.group_size, s.prompts_per_step
+    kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
+    times = {"generate": 0.0, "score": 0.0}
+    while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
+        rows = [dataset[i] for i in round_prompts(step, rounds, len(dataset), want, ctx.seed)]
+        seed = ctx.seed * 1_000_003 + step * 101 + rounds  # a pure function of (step, round)
+        samples, t = generate_round(sampler, tokenizer, rows, G, s.generation, seed, rewards, rounds * want)
+        times = {k: times[k] + t[k] for k in times}
+        keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
+        passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
+        filtered += len(rows) - len(passing)
+        groups = passing[: want - n_kept]
+        chosen = set(groups)
+        kept.append(samples.take([i for i, g in enumerate(samples.group) if g in chosen]))
+        drawn.append(samples)
+        n_kept += len(groups)
+        rounds += 1
+    metrics = {
+        "sampling/rounds": float(rounds),
+        "sampling/groups_filtered": float(filtered),
+        "sampling/groups_kept": float(n_kept),
+        **{f"time/{k}": v for k, v in times.items()},
+    }
+    return Samples.join(kept), Samples.join(drawn), metrics
+
+
+def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
+    """Right-pad prompt+completion ids to the longest sequence; the sampler's log-probs as pi_old."""
+    prompt_len = [len(p) for p in samples.prompt_ids]
+    seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
+    ids = pad(seqs, pad_id)
+    attention = pad([[1] * len(x) for x in seqs], 0)
+    response = pad([[0] * n + [1] * len(c) for n, c in zip(prompt_len, samples.completion_ids)], 0).float()
+    if samples.logprobs is not None:
+        old = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()
+    else:
+        old = torch.zeros_like(response)
+    rollout = Rollout(
+        rewards=torch.tensor(samples.reward, dtype=torch.float32), group=torch.tensor(samples.group),
+        response_mask=response, old_logprobs=old, max_new_tokens=max_new_tokens,
+        correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
+    )
+    return Batch(ids, attention, rollout)
+
+
+def rollout_metrics(kept: Samples, drawn: Samples) -> dict[str, float]:
+    """Rewards (mean/std of each), accuracy and lengths of everything generated this step."""
+    lengths = torch.tensor([len(c) for c in drawn.completion_ids], dtype=torch.float32)
+    metrics = {
+        "accuracy": sum(drawn.correct) / len(drawn),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/truncated": sum(drawn.truncated) / len(drawn),
+        **_mean_std("reward/total", drawn.reward),
+        "train_batch/reward_mean": sum(kept.reward) / max(len(kept), 1),
+    }
+    for name, values in drawn.values.items():
+        metrics.update(_mean_std(f"reward/{name}", [v for v in values if v is not None]))
+        metrics[f"reward/{name}/none"] = float(sum(v is None for v in values))
+    return metrics
+
+
+def _mean_std(prefix: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    t = torch.tensor(values, dtype=torch.float32)
+    return {f"{prefix}/mean": t.mean().item(), f"{prefix}/std": t.std(unbiased=False).item()}

@@ -1,0 +1,122 @@
+"""The update half of an `rl` step: the forward passes a rollout needs, then mu epochs of optimizer steps.
+
+Every forward runs per micro-batch on ids cut to that micro-batch's longest sequence; outputs are
+widened back (zeros) to the rollout's width, where the response mask hides them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from alignflow.core.aggregation import aggregate
+from alignflow.core.models import token_logprobs, token_values
+from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
+from alignflow.flows.stages.rl_rollout import Batch
+
+
+def chunks(rows: Tensor, size: int) -> list[Tensor]:
+    return [c for c in rows.split(size) if len(c)]
+
+
+def widen(x: Tensor, width: int) -> Tensor:
+    """[b, w] -> [b, width], zeros on the right."""
+    return F.pad(x, (0, width - x.shape[1]))
+
+
+def critic_values(critic, ids: Tensor, attention: Tensor, mask: Tensor) -> Tensor:
+    """V(s) before each response token: the value head on the previous position (its prefix)."""
+    v = token_values(critic, ids, attention)
+    return F.pad(v[:, :-1], (1, 0)).float() * mask
+
+
+@torch.no_grad()
+def stitched(batch: Batch, micro: int, fn) -> Tensor:
+    """fn(ids, attention, mask) -> [b, w] over micro-batches, as one [B, T] tensor."""
+    out = torch.zeros_like(batch.rollout.response_mask, dtype=torch.float32)
+    for rows in chunks(torch.arange(len(out), device=out.device), micro):
+        ids, attention, mask = batch.view(rows)
+        out[rows, : ids.shape[1]] = fn(ids, attention, mask).float()
+    return out
+
+
+def prepare(batch: Batch, algo, *, micro: int, policy=None, reference=None, critic=None) -> Batch:
+    """The rollout's inputs to `algo.advantages`: pi_old (only when `policy` is given: the sampler had
+    none or the settings ask), reference log-probs and critic values when the algorithm needs them.
+    """
+    r, filled = batch.rollout, {}
+    if policy is not None:
+        filled["old_logprobs"] = stitched(batch, micro, policy)
+    if reference is not None:
+        filled["ref_logprobs"] = stitched(batch, micro, reference)
+    if critic is not None:
+        filled["values"] = stitched(batch, micro, lambda *a: critic_values(critic, *a))
+    return replace(batch, rollout=replace(r, **filled))
+
+
+def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tensor]:
+    """The rollout's rows in `n` minibatches of whole groups, groups in a seeded order."""
+    uniq, inverse = torch.unique(group, return_inverse=True)
+    order = torch.randperm(len(uniq), generator=generator).to(group.device)
+    return [torch.isin(inverse, part).nonzero().flatten() for part in order.tensor_split(n)]
+
+
+def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tensor | None, settings,
+           n_minibatches: int, temperature: float, generator: torch.Generator) -> dict[str, float]:
+    """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each."""
+    r, s = batch.rollout, settings
+    sums: dict[str, list[float]] = defaultdict(list)
+    entropy = torch.zeros(2, device=r.rewards.device)  # sum over response tokens, token count
+    for epoch in range(s.ppo_epochs):
+        for minibatch in minibatches(r.group, n_minibatches, generator):
+            micro = chunks(minibatch, s.micro_batch_size)
+            norm = engine.step_norm([r.response_mask[m] for m in micro], algo.norm_constant(r))
+            step_loss = 0.0
+            for rows in micro:
+                metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature)
+                if epoch == 0:
+                    entropy += ent
+                step_loss += float(metrics.pop("actor/loss"))
+                for k, v in metrics.items():
+                    sums[k].append(float(v))
+            sums["actor/loss"].append(step_loss)
+            for k, v in engine.step().items():
+                sums[f"actor/{k}"].append(v)
+            for k, v in (critic.step() if critic is not None else {}).items():
+                sums[f"critic/{k}"].append(v)
+    out = {k: sum(v) / len(v) for k, v in sums.items()}
+    out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
+    return out
+
+
+def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
+               norm, temperature: float) -> tuple[dict[str, Tensor], Tensor]:
+    """One forward and backward: the loss's metrics and the (entropy sum, token count) of the rows."""
+    r, width = batch.rollout, batch.rollout.response_mask.shape[1]
+    ids, attention, mask = batch.view(rows)
+    logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
+                                       return_entropy=True)
+    values = widen(critic_values(critic.module, ids, attention, mask), width) if critic is not None else None
+    view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
+    per_token, metrics = algo.loss(view)
+    loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
+    engine.backward(loss)
+    metrics["actor/loss"] = loss.detach()
+    if critic is not None:
+        value_loss, value_metrics = algo.value_loss(view)
+        critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm))
+        metrics.update(value_metrics)
+    return metrics, torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+
+
+def rollout_stats(rollout, advantages: Tensor) -> dict[str, float]:
+    """Advantage statistics and the KL of pi_old to the reference, over response tokens."""
+    mask = rollout.response_mask
+    out = {k: v.item() for k, v in advantage_metrics(advantages, mask).items()}
+    if rollout.ref_logprobs is not None:
+        out["actor/kl_ref_k3"] = masked_mean(kl_estimate(rollout.old_logprobs, rollout.ref_logprobs), mask).item()
+    return out
