@@ -13,6 +13,7 @@ On a terminal tqdm draws step, metrics, throughput and ETA; when the stream is n
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ log = logging.getLogger("alignflow.progress")
 
 
 def _duration(seconds: float) -> str:
-    return str(timedelta(seconds=round(seconds))) if seconds == seconds and seconds != float("inf") else "?"
+    return str(timedelta(seconds=round(seconds))) if math.isfinite(seconds) else "?"
 
 
 class Progress:

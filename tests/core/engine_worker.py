@@ -125,6 +125,16 @@ def run(out: Path, steps: int = 6, zero: int = 0, micro: int = 4, kill_after: in
     return {"weights": engine.full_state_dict(), "losses": losses, "grad_norms": norms, "grads": seen}
 
 
+def run_here(out: Path, **kw) -> dict:
+    """`run` inside a test process, leaving torch's global determinism and thread count as they were."""
+    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    try:
+        return run(out, **kw)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)

@@ -38,10 +38,6 @@ def train(out, steps: int, total: int = 6, resume=True, **settings) -> Engine:
     return engine
 
 
-def weights(engine: Engine) -> dict[str, torch.Tensor]:
-    return engine.full_state_dict()
-
-
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     """SIGKILL after step 3 (last checkpoint: step 2); the resumed run ends exactly where an
     uninterrupted one does, data order and global RNG draws included."""
@@ -49,7 +45,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     # a process of its own: not the group this test process may already lead
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     killed = subprocess.Popen([*cmd, "--kill-after", "3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    reference = run_here(tmp_path / "reference")
+    reference = worker.run_here(tmp_path / "reference", steps=6)
     killed.wait(timeout=120)
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step-00000002"]
@@ -64,10 +60,10 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
 
 @pytest.mark.parametrize("zero,dtype", [(1, "fp32"), (2, "bf16"), (3, "fp32")])
 def test_resume_restores_zero_optimizer_state(tmp_path, zero, dtype):
-    straight = weights(train(tmp_path / "straight", steps=4, zero_stage=zero, dtype=dtype))
+    straight = train(tmp_path / "straight", steps=4, zero_stage=zero, dtype=dtype).full_state_dict()
     train(tmp_path / "split", steps=2, zero_stage=zero, dtype=dtype)
     resumed = train(tmp_path / "split", steps=4, zero_stage=zero, dtype=dtype)
-    for name, w in weights(resumed).items():
+    for name, w in resumed.full_state_dict().items():
         assert torch.equal(w, straight[name]), name
 
 
@@ -78,15 +74,6 @@ def test_critic_resumes_at_its_policy_step(tmp_path):
     policy = train(tmp_path / "policy", steps=0)
     critic = train(tmp_path / "critic", steps=0, resume=policy.step_count)
     assert policy.step_count == critic.step_count == 2
-
-
-def run_here(out):
-    deterministic, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
-    try:
-        return worker.run(out, steps=6)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
-        torch.set_num_threads(threads)
 
 
 def corrupt_truncate(folder):
@@ -107,14 +94,14 @@ def corrupt_marker(folder):
 
 @pytest.mark.parametrize("damage", [corrupt_truncate, corrupt_flip, corrupt_marker])
 def test_damaged_checkpoint_falls_back_to_previous(tmp_path, caplog, damage):
-    at2 = weights(train(tmp_path / "run", steps=2))  # checkpoint at step 2
+    at2 = train(tmp_path / "run", steps=2).full_state_dict()  # checkpoint at step 2
     train(tmp_path / "run", steps=4)  # resumes at 2, checkpoints at 4
     damage(tmp_path / "run" / "checkpoints" / "step-00000004")
     with caplog.at_level(logging.WARNING, logger="alignflow.core.checkpoint"):
         engine = train(tmp_path / "run", steps=0)  # just resume
     assert engine.step_count == 2 and engine.data_state == {"index": 8}
     assert "step-00000004" in caplog.text
-    for name, w in weights(engine).items():
+    for name, w in engine.full_state_dict().items():
         assert torch.equal(w, at2[name]), name
     with pytest.raises(CheckpointError, match="step-00000004"):
         train(tmp_path / "run", steps=0, resume=4)  # asking for it by step is an error, not a fallback
