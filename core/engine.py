@@ -127,6 +127,7 @@ class Engine:
         self.step_count = 0  # completed optimizer steps
         self.data_state: dict | None = None  # the caller's data position at the resumed step
         self._grad_norm = math.nan
+        self._backwards = 0  # since the last step
 
     @classmethod
     def create(
@@ -211,12 +212,21 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of a loss already normalised for the whole step on all ranks."""
         self.ds.backward(loss * self.world_size, scale_wrt_gas=False)
+        self._backwards += 1
 
     def step(self) -> dict[str, float]:
-        """Clip, update and advance the schedule; returns the lr used and the pre-clip grad norm."""
+        """Clip, update and advance the schedule; returns the lr used and the pre-clip grad norm.
+
+        A step without any backward (e.g. an RL batch filtered to nothing, alike on every rank)
+        only advances the schedule: ZeRO 1-3 cannot step without gradients.
+        """
         lr = self.ds.get_lr()[0]
-        self.ds.step()
         self.step_count += 1
+        if self._backwards == 0:
+            self.ds.lr_scheduler.step()
+            return {"lr": lr, "grad_norm": 0.0}
+        self._backwards = 0
+        self.ds.step()
         norm = self.ds.get_global_grad_norm()  # None at ZeRO-0 fp32, where _clip measured it
         return {"lr": lr, "grad_norm": float(norm) if norm is not None else self._grad_norm}
 

@@ -109,6 +109,17 @@ def test_step_reports_lr_and_grad_norm_and_clips():
     assert engine.step()["lr"] == pytest.approx(0.25)  # linear decay: half-way at step 1
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_step_without_backward_only_advances_the_schedule(zero):
+    settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=1.0, lr_scheduler="linear", zero_stage=zero)
+    engine = Engine.create(torch.nn.Linear(4, 2), settings, total_steps=4)
+    before = engine.full_state_dict()
+    assert engine.step() == {"lr": 1.0, "grad_norm": 0.0}
+    assert all(torch.equal(w, before[k]) for k, w in engine.full_state_dict().items())
+    engine.backward(engine.model(torch.ones(2, 4)).sum())
+    assert engine.step()["lr"] == pytest.approx(0.75)  # the schedule moved on by one step
+
+
 def test_steps_insists_on_one_optimizer_step_each():
     engine = Engine.create(torch.nn.Linear(2, 2), TrainSettings(batch_size=1, micro_batch_size=1), 3)
     with pytest.raises(AlignflowError, match="exactly once"):
