@@ -15,6 +15,10 @@ ranks, so the engine must neither divide by the accumulation steps nor average o
 `backward` passes `scale_wrt_gas=False` and multiplies by the world size, which cancels
 DeepSpeed's mean all-reduce (a power of two in practice, so exactly). The gradient is then the
 big-batch gradient, bit for bit up to the reduction order.
+
+DeepSpeed runs everywhere here, CPU included (its CPU accelerator, gloo, torch's AdamW), so
+there is no plain-PyTorch path. bf16 at ZeRO-0 accumulates gradients in bf16 (DeepSpeed allows
+fp32 accumulation only with ZeRO); prefer ZeRO >= 1 for bf16 with many micro-batches.
 """
 
 from __future__ import annotations
