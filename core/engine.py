@@ -17,8 +17,8 @@ DeepSpeed's mean all-reduce (a power of two in practice, so exactly). The gradie
 big-batch gradient, bit for bit up to the reduction order.
 
 DeepSpeed runs everywhere here, CPU included (its CPU accelerator, gloo, torch's AdamW), so
-there is no plain-PyTorch path. bf16 at ZeRO-0 accumulates gradients in bf16 (DeepSpeed allows
-fp32 accumulation only with ZeRO); prefer ZeRO >= 1 for bf16 with many micro-batches.
+there is no plain-PyTorch path. With bf16, gradients accumulate in bf16 (DeepSpeed's default
+`grad_accum_dtype`; its fp32 option is refused at ZeRO-0), so prefer few micro-batches per step.
 """
 
 from __future__ import annotations
