@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import socket
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,9 @@ class Engine:
         lr = self.ds.get_lr()[0]
         self.step_count += 1
         if self._backwards == 0:
-            self.ds.lr_scheduler.step()
+            with warnings.catch_warnings():  # torch warns of a schedule step before any optimizer step
+                warnings.simplefilter("ignore", UserWarning)
+                self.ds.lr_scheduler.step()
             return {"lr": lr, "grad_norm": 0.0}
         self._backwards = 0
         self.ds.step()
