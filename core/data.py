@@ -204,6 +204,8 @@ def _pairwise_batch(batch, tokenizer, max_length):
             ids.append(row_ids)
             labels.append(row_labels)
             out["_status"][i] = max(out["_status"][i], status)
+    if "margin" in batch:  # reward-model rows may carry a per-pair margin (Llama 2)
+        out["margin"] = batch["margin"]
     return out
 
 

@@ -70,8 +70,12 @@ def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.select import run_select
     from alignflow.flows.stages.evaluate import run_evaluate
     from alignflow.flows.stages.sft import run_sft
+    from alignflow.flows.stages.preference import run_preference
+    from alignflow.flows.stages.reward_model import run_reward_model
+    from alignflow.flows.stages.rejection import run_rejection_sampling
 
-    return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate}
+    return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate, "preference": run_preference,
+            "reward_model": run_reward_model, "rejection_sampling": run_rejection_sampling}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

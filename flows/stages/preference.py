@@ -1,0 +1,190 @@
+"""The `preference` stage: DPO-family losses on pairwise (or, for `requires_labels`, unpaired) rows.
+
+The loop is the shared offline one; this file only says how rows become a batch: the policy is run
+once per sequence set of a micro-batch and `build_batch` asks for what the algorithm's flags need.
+The frozen reference's summed completion log-probs are computed once per dataset before training
+and kept in the checkpoint folder, so a resumed run reads them back instead of recomputing.
+Only KTO-style mismatched pairs ("kl") change with the micro-batch and run the reference live.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from alignflow.core.data import IGNORE_INDEX, collate, truncate
+from alignflow.core.engine import Engine, frozen
+from alignflow.core.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.preference import NllScope, SequenceLogps, build_batch, mismatched_pairs
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.evaluation import evaluate_model
+from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
+                                            split_rows, train_loop)
+from alignflow.flows.stages.training import model_source, plugin, save_pretrained, total_steps
+
+# Scorer set name -> the prefix of its columns in a collated micro-batch.
+PREFIX = {"chosen": "chosen_", "rejected": "rejected_", "completion": "", "kl": "kl_"}
+REFERENCE_CACHE = "reference_logps.pt"
+
+
+def scored_mask(micro: dict, name: str, scope: NllScope) -> torch.Tensor:
+    """The tokens of set `name` whose log-probs a scope sums: completion tokens, or all real tokens.
+
+    The first token has no prefix to be predicted from, so no scope scores it (rows are right-padded).
+    """
+    p = PREFIX[name]
+    mask = micro[p + "labels"] != IGNORE_INDEX if scope == "completion" else micro[p + "attention_mask"].bool()
+    mask = mask.clone()
+    mask[:, 0] = False
+    return mask
+
+
+@dataclass
+class SequenceScorer:
+    """A `Scorer` over one micro-batch: one forward pass per sequence set, summed under any scope."""
+
+    model: torch.nn.Module
+    micro: dict
+    widest: NllScope  # the widest scope asked for: "sequence" also computes prompt logits
+    device: torch.device
+    token_logps: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
+        if name not in self.token_logps:
+            p, to = PREFIX[name], self.device
+            ids, attn = self.micro[p + "input_ids"].to(to), self.micro[p + "attention_mask"].to(to)
+            wanted = scored_mask(self.micro, name, self.widest).to(to)
+            self.token_logps[name] = token_logprobs(self.model, ids, attn, wanted)
+        return SequenceLogps.of(self.token_logps[name], scored_mask(self.micro, name, scope).to(self.device))
+
+
+@dataclass
+class CachedReference:
+    """A `Scorer` reading the reference's cached log-probs by row; "kl" sets run the reference live."""
+
+    cache: dict[str, torch.Tensor]  # set name -> [rows] summed completion log-probs
+    micro: dict
+    live: SequenceScorer | None
+
+    def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
+        if name not in self.cache:
+            with torch.no_grad():
+                return self.live(name, scope)
+        mask = scored_mask(self.micro, name, scope)
+        logps = self.cache[name][self.micro["row"]].to(self.live.device if self.live else mask.device)
+        return SequenceLogps(logps, mask.sum(-1).to(logps.device))
+
+
+def split_row(row: dict) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a tokenised row: the prompt is the labels' -100 prefix."""
+    k = next((i for i, t in enumerate(row["labels"]) if t != IGNORE_INDEX), len(row["labels"]))
+    return row["input_ids"][:k], row["input_ids"][k:]
+
+
+def with_kl_rows(rows: list[dict], max_length: int) -> list[dict]:
+    """Add each row's mismatched pair: its prompt with the completion of row `mismatched_pairs(n)[i]`."""
+    parts = [split_row(r) for r in rows]
+    out = []
+    for row, (prompt, _), j in zip(rows, parts, mismatched_pairs(len(rows)).tolist()):
+        ids, labels, _ = truncate(prompt, parts[j][1], max_length)
+        out.append({**row, "kl_input_ids": ids, "kl_labels": labels})
+    return out
+
+
+def reference_sets(algo) -> list[str]:
+    """The sequence sets whose reference log-probs are fixed per row, hence cacheable."""
+    return ["completion"] if algo.requires_labels else ["chosen", "rejected"]
+
+
+@torch.no_grad()
+def reference_logps(reference, rows, sets: list[str], micro: int, pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Summed completion log-probs of every row under the reference, one [rows] tensor per set."""
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in sets}
+    for m in micro_batches(rows, list(range(len(rows))), micro, lambda r: collate(r, pad_id)):
+        score = SequenceScorer(reference, m, "completion", device)
+        for name in sets:
+            out[name].append(score(name, "completion").logps.float().cpu())
+    return {name: torch.cat(parts) for name, parts in out.items()}
+
+
+def cached_reference(ctx: StageContext, reference, splits: dict, sets: list[str], pad_id: int, device):
+    """{split: {set: log-probs}} from the checkpoint folder, else computed once and saved there."""
+    path = ctx.checkpoint_dir / REFERENCE_CACHE
+    found = path.is_file()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank has looked before rank 0 writes: they all compute, or all load
+    if found:
+        return torch.load(path)
+    caches = {k: reference_logps(reference, rows, sets, ctx.settings.micro_batch_size, pad_id, device)
+              for k, rows in splits.items() if rows is not None}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(caches, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # a crash mid-write leaves no partial cache
+    return caches
+
+
+def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | None, reference) -> Feed:
+    """Rows -> the algorithm's batch: the policy scored live, the reference from `cache`."""
+    main = "completion" if algo.requires_labels else "chosen"
+    widest = "sequence" if algo.nll_scope == "sequence" else "completion"
+
+    def collate_rows(rows: list[dict]) -> dict:
+        return collate(with_kl_rows(rows, max_length) if algo.needs_kl_pairs else rows, pad_id)
+
+    def batch(micro: dict):
+        policy = SequenceScorer(engine.model, micro, widest, engine.device)
+        live = SequenceScorer(reference, micro, "completion", engine.device) if reference is not None else None
+        ref = CachedReference(cache, micro, live) if cache is not None else None
+        return build_batch(algo, policy, ref, micro.get("label"))
+
+    return Feed(collate_rows, batch, lambda micro: scored_mask(micro, main, algo.nll_scope or "completion"))
+
+
+def load_reference(ctx: StageContext, src: str):
+    """The frozen reference's weights: the `reference` input, else the initial policy."""
+    if "reference" not in ctx.inputs:
+        return load_model(src, dtype=ctx.settings.dtype)
+    with model_source(ctx, "reference") as ref_src:
+        return load_model(ref_src, dtype=ctx.settings.dtype)
+
+
+def run_preference(ctx: StageContext) -> StageResult:
+    """Train on preferences, report held-out preference or task accuracy, save the policy."""
+    s = ctx.settings
+    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    schema = "unpaired" if algo.requires_labels else "pairwise"
+    with model_source(ctx) as src:
+        tokenizer = load_tokenizer(src)
+        model = load_model(src, dtype=s.dtype)
+        reference = load_reference(ctx, src) if algo.requires_reference else None
+    eval_prefs = eval_rows(ctx, schema)
+    train, held_out = split_rows(ctx, tokenizer, schema, eval_prefs)
+    pad_id = tokenizer.pad_token_id
+
+    steps = total_steps(len(train), s)
+    torch.manual_seed(ctx.seed)
+    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
+    caches = {}
+    if reference is not None:
+        reference = frozen(reference, s)
+        splits = {"train": train, "eval": held_out}
+        caches = cached_reference(ctx, reference, splits, reference_sets(algo), pad_id, engine.device)
+        if not algo.needs_kl_pairs:
+            reference = None  # every reference log-prob it needs is cached: free the model
+
+    def feed(split: str) -> Feed:
+        return preference_feed(algo, engine, pad_id, s.max_length, caches.get(split), reference)
+
+    last = train_loop(ctx, engine, algo, train, feed("train"))
+    held = held_out_metrics(engine, algo, held_out, feed("eval"), s.micro_batch_size) if held_out is not None else None
+    final = final_metrics(last, held, steps)
+    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
+    if eval_prefs is None:  # eval_dataset holds prompt+answer rows: task accuracy with the stage's rewards
+        final.update(evaluate_model(ctx, engine.module, tokenizer))
+    ctx.log_metrics(final, engine.step_count)
+    headline = next((k for k in ("eval/accuracy", "eval/rewards/accuracies") if k in final), "train/loss")
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline)

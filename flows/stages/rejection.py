@@ -1,0 +1,73 @@
+"""The `rejection_sampling` stage: sample `n` completions per prompt, score them, keep what passes.
+
+`output: sft` writes the best-scoring completion of each prompt when it is correct (R1's rejection
+sampling SFT data); `output: pairs` writes a (correct, incorrect) pair for each prompt that has both
+(preference data sampled from the policy). Best means the highest total reward, first on ties,
+so with one 0/1 verifier the first correct and the first incorrect sample are kept. Seeded: the same
+model, prompts and seed write the same rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignflow.core.data import load_rows
+from alignflow.core.models import load_model, load_tokenizer
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
+from alignflow.flows.stages.select import write_jsonl
+from alignflow.flows.stages.training import model_source, plugin
+
+
+def best(candidates: list[int], total: list[float]) -> int | None:
+    """The highest-total candidate, the first of equals; None when there is none."""
+    return max(candidates, key=lambda j: (total[j], -j)) if candidates else None
+
+
+def by_prompt(scored: Scored) -> list[tuple[list[int], list[int]]]:
+    """(correct, incorrect) completion indices of each prompt, in sampling order."""
+    groups = [([], []) for _ in scored.rows]
+    for j, (i, ok) in enumerate(zip(scored.generation.prompt_index, scored.correct)):
+        groups[i][0 if ok else 1].append(j)
+    return groups
+
+
+def select_rows(scored: Scored, output: str) -> list[dict]:
+    """The dataset rows to write: the prompt's other columns kept, plus the kept completions' rewards."""
+    texts, total = scored.generation.texts, scored.rewards.total
+    out = []
+    for row, (correct, incorrect) in zip(scored.rows, by_prompt(scored)):
+        if output == "sft":
+            top = best(correct + incorrect, total)
+            if top in correct:  # the best sample must itself be correct, not merely some sample
+                out.append({**row, "completion": texts[top], "reward": total[top]})
+        elif correct and incorrect:
+            win, lose = best(correct, total), best(incorrect, total)
+            out.append({**row, "chosen": texts[win], "rejected": texts[lose],
+                        "chosen_reward": total[win], "rejected_reward": total[lose]})
+    return out
+
+
+def run_rejection_sampling(ctx: StageContext) -> StageResult:
+    """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
+    s = ctx.settings
+    with model_source(ctx) as src:
+        tokenizer = load_tokenizer(src)
+        model = load_model(src).to("cuda" if torch.cuda.is_available() else "cpu")
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(model, tokenizer)
+    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx))
+
+    kept = select_rows(scored, s.output)
+    out = ctx.work_dir / "data.jsonl"
+    write_jsonl(kept, out)
+    groups = by_prompt(scored)
+    metrics = {
+        **accuracy_metrics(scored, sorted({1, s.n})),
+        "rows_written": float(len(kept)),
+        "prompts": float(len(rows)),
+        "pair_share": sum(bool(c and w) for c, w in groups) / len(groups),
+    }
+    ctx.log_metrics(metrics, 0)
+    return StageResult(outputs={"dataset": out}, metrics=metrics, headline="rows_written")
