@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,18 @@ class StageOutcome:
     metrics: dict[str, float] = field(default_factory=dict)
     headline: str | None = None
     mlflow_run_id: str | None = None
+
+
+# Stage kinds whose runners touch no process-wide state, so sibling stages may run them at once.
+# The others seed and draw from torch's global RNG (model init), share DeepSpeed's process group,
+# and import transformers lazily (not thread-safe): in two threads they corrupt each other.
+THREAD_SAFE_KINDS = frozenset({"select"})
+_exclusive = threading.Lock()
+
+
+def runner_slot(kind: str) -> contextlib.AbstractContextManager:
+    """The process-wide lock for kinds not in `THREAD_SAFE_KINDS`, else nothing."""
+    return contextlib.nullcontext() if kind in THREAD_SAFE_KINDS else _exclusive
 
 
 class StageFailed(AlignflowError):
@@ -79,7 +93,6 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
 
 def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins) -> dict:
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
-    started = time.time()
     ctx = StageContext(
         name=plan.name, spec=plan.spec,
         settings=settings_model(plan.kind).model_validate(plan.spec.settings),
@@ -88,15 +101,17 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
     )
     resumed = ctx.resuming()
-    try:
-        result = RUNNERS[plan.kind](ctx)
-    except Exception as exc:
-        seconds = time.time() - started
-        run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
-        failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
-        failed.seconds = seconds
-        raise failed from exc
-    finished = time.time()
+    with runner_slot(plan.kind):
+        started = time.time()
+        try:
+            result = RUNNERS[plan.kind](ctx)
+        except Exception as exc:
+            seconds = time.time() - started
+            run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
+            failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
+            failed.seconds = seconds
+            raise failed from exc
+        finished = time.time()
     manifest = {
         "digest": plan.digest, "stage": plan.name, "kind": plan.kind,
         "status": "resumed" if resumed else "ran",

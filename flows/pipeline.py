@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
+from prefect.utilities.annotations import quote
 
 from alignflow.core.spec import PipelineSpec, parse_spec
 from alignflow.flows.artifacts import ArtifactStore
@@ -60,9 +61,10 @@ def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts:
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{name}")
-def stage_task(name: str, session: Session, upstream: dict[str, StageOutcome]) -> StageOutcome:
-    """Run one stage, or reuse its finished artifact."""
-    outcome = execute_stage(session.plans[name], upstream, session.store, session.tracker, session.plugins)
+def stage_task(name: str, session: Session, upstream: dict[str, PrefectFuture]) -> StageOutcome:
+    """Run one stage, or reuse its finished artifact; `upstream` futures are all completed."""
+    outcomes = {stage: future.result() for stage, future in upstream.items()}
+    outcome = execute_stage(session.plans[name], outcomes, session.store, session.tracker, session.plugins)
     if outcome.status in STATE_NAMES:
         return Completed(name=STATE_NAMES[outcome.status], data=outcome)
     return outcome
@@ -73,7 +75,9 @@ def submit_stages(session: Session) -> dict[str, PrefectFuture]:
     futures: dict[str, PrefectFuture] = {}
     for name in session.spec.order():
         upstream = {s: futures[s] for s in sorted(set(session.plans[name].upstream.values()))}
-        futures[name] = stage_task.submit(name, session, upstream, wait_for=list(upstream.values()))
+        # Quoted, so Prefect names the run before it finds a failed upstream in `wait_for`: a
+        # skipped stage keeps its own name instead of `stage_task-xxx`.
+        futures[name] = stage_task.submit(name, session, quote(upstream), wait_for=list(upstream.values()))
     return futures
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +49,8 @@ class PipelineReport:
         """The `--json` line: run ids and, per stage, name, kind, status, seconds and metrics."""
         stages = [{"name": s.name, "kind": s.kind, "status": s.status, "seconds": round(s.seconds, 3),
                    "metrics": s.metrics} for s in self.stages]
-        return json.dumps({"run_id": self.run_id, "mlflow_run_id": self.mlflow_run_id, "stages": stages})
+        summary = {"run_id": self.run_id, "mlflow_run_id": self.mlflow_run_id, "stages": stages}
+        return json.dumps(json_safe(summary), allow_nan=False)
 
     def render(self, console: Console) -> None:
         """The stage table, the errors, and how to open both UIs."""
@@ -66,11 +68,22 @@ class PipelineReport:
         console.print(f"Prefect flow run {self.run_id}: prefect server start  (then open http://127.0.0.1:4200)")
 
 
+def json_safe(obj):
+    """`obj` with NaN and infinities as None: `json.dumps` would write `NaN`, which is not JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_metrics(report: PipelineReport, path: Path) -> None:
     """Final metrics {stage: {metric: value}} as JSON, for `dvc metrics show`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     metrics = {s.name: s.metrics for s in report.stages if s.metrics}
-    path.write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(json_safe(metrics), indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
 def write_curves(report: PipelineReport, folder: Path) -> None:

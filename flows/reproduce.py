@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 from pathlib import Path
 
 from alignflow.core.errors import AlignflowError
 from alignflow.flows.data import dvc
 from alignflow.flows.report import PipelineReport
-from alignflow.flows.tracking import tracking_uri
+from alignflow.flows.tracking import mlflow_key, tracking_uri
+
+
+def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[str, tuple]:
+    """{key: (recorded, now)} for every metric that differs; keys as MLflow stored them, NaN equals NaN."""
+    now = {mlflow_key(k): v for k, v in now.items()}
+
+    def same(a, b) -> bool:
+        return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
+
+    return {k: (recorded.get(k), now.get(k)) for k in sorted(set(recorded) | set(now))
+            if not same(recorded.get(k), now.get(k))}
 
 
 def restore_data_version(recorded: str | None, project: Path) -> bool:
@@ -39,8 +51,4 @@ def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tup
         restore_data_version(recorded_dvc, project)
         # The spec's relative inputs are relative to the project, not to where it was downloaded.
         report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts")
-    recorded = parent.data.metrics
-    now = report.final_metrics()
-    mismatches = {k: (recorded.get(k), now.get(k)) for k in set(recorded) | set(now)
-                  if recorded.get(k) != now.get(k)}
-    return report, mismatches
+    return report, compare_metrics(parent.data.metrics, report.final_metrics())

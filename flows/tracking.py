@@ -7,6 +7,7 @@ running in threads log to their own runs safely.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 import threading
@@ -16,6 +17,16 @@ from pathlib import Path
 from typing import Any
 
 PARENT_TAG = "mlflow.parentRunId"
+MAX_KEY_CHARS = 250  # MLflow's limit on metric, param and tag keys
+
+
+def mlflow_key(name: str) -> str:
+    """`name` as a key MLflow accepts: `pass@1` -> `pass_at_1`, other characters it rejects -> `_`.
+
+    MLflow allows letters, digits, `_ - . /` and spaces, and no path that normalises to another name.
+    """
+    key = re.sub(r"[^\w.\- /]", "_", name.replace("@", "_at_"))[:MAX_KEY_CHARS]
+    return "/".join(p if p.strip(".") else "_" for p in key.split("/") if p) or "_"
 
 
 def tracking_uri(project: Path) -> str:
@@ -103,11 +114,12 @@ class Tracker:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
+        # Keys come from plugins and configs: one MLflow rejects must not crash the stage.
         self.client.log_batch(
             run_id,
-            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
-            params=[Param(k, v) for k, v in (params or {}).items()],
-            tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+            metrics=[Metric(mlflow_key(k), float(v), now, step) for k, v in (metrics or {}).items()],
+            params=[Param(mlflow_key(k), v) for k, v in (params or {}).items()],
+            tags=[RunTag(mlflow_key(k), str(v)) for k, v in (tags or {}).items()],
         )
 
 
