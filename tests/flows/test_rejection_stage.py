@@ -1,0 +1,97 @@
+"""The rejection_sampling stage: which completions become SFT rows or preference pairs, and the metrics."""
+
+import json
+
+import pytest
+
+import alignflow.plugins.hf
+from alignflow.core import hookimpl
+from alignflow.core.models import build_tiny
+from alignflow.core.plugins import Plugins
+from alignflow.core.rewards import RewardOutput
+from alignflow.core.sampling import Generation
+from alignflow.core.settings import SampleSettings
+from alignflow.core.spec import parse_spec
+from alignflow.flows.stages import StageContext
+from alignflow.flows.stages.rejection import run_rejection_sampling, select_rows
+from alignflow.flows.stages.scoring import Scored
+
+
+def handmade(texts: list[list[str]], totals: list[list[float]], correct: list[list[bool]]) -> Scored:
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(len(texts))]
+    index = [i for i, group in enumerate(texts) for _ in group]
+    flat = [t for group in texts for t in group]
+    generation = Generation(index, [[0]] * len(flat), flat, [False] * len(flat))
+    total = [v for group in totals for v in group]
+    return Scored(rows, len(texts[0]), generation, RewardOutput(total, {}), [c for g in correct for c in g])
+
+
+# p0: the best sample is correct; p1: none is; p2: the best is incorrect (say, a format bonus);
+# p3: correct samples tie, so the first of them wins, and so does the first of tied incorrect ones.
+CASE = handmade(
+    [["a", "b", "c"], ["d", "e", "f"], ["g", "h", "i"], ["j", "k", "l"]],
+    [[1.0, 0.0, 1.5], [0.0, 0.2, 0.0], [1.0, 2.0, 0.5], [0.0, 1.0, 1.0]],
+    [[True, False, True], [False, False, False], [True, False, False], [False, True, True]],
+)
+
+
+def test_sft_rows_are_the_best_sample_when_it_is_correct():
+    rows = select_rows(CASE, "sft")
+    assert [(r["prompt"], r["completion"], r["reward"]) for r in rows] == [("p0", "c", 1.5), ("p3", "k", 1.0)]
+    assert rows[0]["answer"] == "0"  # the prompt's other columns are kept
+
+
+def test_pairs_are_the_best_correct_against_the_best_incorrect():
+    rows = select_rows(CASE, "pairs")
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+        ("p0", "c", "b"), ("p2", "g", "h"), ("p3", "k", "j")]
+
+
+def even_start(prompts, completions, **_):
+    """1 when a completion starts with a character of even code: a coin flip the test can recount."""
+    return [float(even(c)) for c in completions]
+
+
+def even(text: str) -> bool:
+    return bool(text) and ord(text[0]) % 2 == 0
+
+
+class Rewards:
+    @staticmethod
+    @hookimpl
+    def register_rewards(register):
+        register("even_start", even_start)
+
+
+@pytest.mark.parametrize("output", ["sft", "pairs"])
+def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
+    plugs = Plugins()
+    plugs.add(alignflow.plugins.hf, "hf")
+    plugs.add(Rewards, "rewards")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(6)))
+    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
+    spec = parse_spec({"name": "rs", "stages": {"rs": {
+        "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
+        "settings": {"n": 4, "output": output, "generation": {"max_new_tokens": 6}}}}}, plugins=plugs)
+    stage = spec.stages["rs"]
+
+    def run(name):
+        (tmp_path / name).mkdir()
+        ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / name,
+                           tmp_path / "ckpt", 7, lambda m, s: None, plugs)
+        return run_rejection_sampling(ctx)
+
+    result = run("a")
+    text = result.outputs["dataset"].read_text()
+    assert text == run("b").outputs["dataset"].read_text()  # seeded
+    rows = [json.loads(line) for line in text.splitlines()]
+    m = result.metrics
+    assert m["rows_written"] == len(rows) > 0
+    if output == "sft":
+        assert all(even(r["completion"]) and r["reward"] == 1.0 for r in rows)
+        assert m["pass_at_4"] == pytest.approx(len(rows) / 6)  # a row for each prompt with a correct sample
+    else:
+        assert all(even(r["chosen"]) and not even(r["rejected"]) for r in rows)
+        assert m["pair_share"] == pytest.approx(len(rows) / 6)
+    assert 0 < m["accuracy"] < 1

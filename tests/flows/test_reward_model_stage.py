@@ -1,0 +1,59 @@
+"""The reward_model stage: the margin column reaches the loss, and the `reward_model` reward loads the
+output, scores exactly what the stage trained on, and ranks held-out pairs as the stage reported."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import alignflow.plugins.bradley_terry
+from alignflow.core.plugins import Plugins
+from alignflow.core.models import build_tiny
+from alignflow.core.settings import TrainSettings
+from alignflow.core.spec import parse_spec
+from alignflow.flows.stages import StageContext
+from alignflow.flows.stages.reward_model import run_reward_model
+from alignflow.plugins.reward_model import RewardModel
+
+
+def pairs(n: int, offset: int) -> list[dict]:
+    """Pairs a tiny model separates in a few steps: the chosen answer is "yes", the rejected "no"."""
+    return [{"prompt": f"{a}+{a}=", "chosen": "<answer>yes</answer>", "rejected": "<answer>no</answer>",
+             "margin": 1.0} for a in range(offset, offset + n)]
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path):
+    plugs = Plugins()
+    plugs.add(alignflow.plugins.bradley_terry, "bradley_terry")
+    held_out = pairs(8, 100)
+    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "train.jsonl", pairs(32, 0)),
+              "eval_dataset": write(tmp_path / "eval.jsonl", held_out)}
+    spec = parse_spec({"name": "rm", "stages": {"rm": {
+        "kind": "reward_model", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "bradley_terry",
+        "settings": {"lr": 3e-3, "max_steps": 8, "batch_size": 8, "micro_batch_size": 4, "max_length": 64,
+                     "log_every": 1, "lr_scheduler": "constant"}}}}, plugins=plugs)
+    stage = spec.stages["rm"]
+    logged = []
+    (tmp_path / "work").mkdir()
+    ctx = StageContext("rm", stage, TrainSettings.model_validate(stage.settings), inputs, tmp_path / "work",
+                       tmp_path / "checkpoints", 0, lambda m, s: logged.append((s, m)), plugs)
+    result = run_reward_model(ctx)
+
+    # a causal LM's fresh head is zero, so every score is 0 and each pair loses -log sigma(0 - margin)
+    first = next(m for s, m in logged if s == 1)
+    assert first["loss"] == pytest.approx(math.log1p(math.exp(1.0)), abs=1e-6)
+    reward = RewardModel(RewardModel.Config(path=str(result.outputs["model"])))
+    chosen = reward([r["prompt"] for r in held_out], [r["chosen"] for r in held_out])
+    rejected = reward([r["prompt"] for r in held_out], [r["rejected"] for r in held_out])
+    accuracy = sum(c > r for c, r in zip(chosen, rejected)) / len(held_out)
+    assert accuracy == result.metrics["eval/accuracy"] == 1.0
+    # the reward scores the same text at the same token as the stage: the held-out margins agree
+    margins = sum(c - r for c, r in zip(chosen, rejected)) / len(held_out)
+    assert margins == pytest.approx(result.metrics["eval/rewards/margins"], rel=1e-4)
+    assert result.headline == "eval/accuracy"
