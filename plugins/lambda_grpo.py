@@ -39,7 +39,8 @@ class LambdaGRPO(GRPO):
 
     def __init__(self, config: LambdaGRPOConfig | None = None):
         super().__init__(config)
-        self.lam = nn.Parameter(torch.tensor(float(self.config.lambda_init)))
+        # shape [1], not a scalar: DeepSpeed's engine cannot broadcast 0-dim parameters
+        self.lam = nn.Parameter(torch.tensor([float(self.config.lambda_init)]))
 
     def extra_parameters(self) -> list[nn.Parameter]:
         return [self.lam]
@@ -62,7 +63,7 @@ class LambdaGRPO(GRPO):
 
     def loss(self, batch: PolicyBatch):
         loss, metrics = super().loss(batch)
-        metrics["actor/lambda"] = self.lam.detach().clone()
+        metrics["actor/lambda"] = self.lam.detach()[0].clone()
         return loss, metrics
 
 
