@@ -1,0 +1,123 @@
+"""Reproducibility: `alignflow reproduce` reruns an SFT run to the same final metrics, and DVC's own
+`dvc repro` reruns the repository's pipeline to its committed metrics and lock file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect.settings import PREFECT_API_URL
+
+from alignflow.flows.cli import main
+from alignflow.flows.data import regenerate_data
+from alignflow.flows.pipeline import run_pipeline
+from alignflow.flows.reproduce import compare_metrics
+from alignflow.flows.tracking import tracking_uri
+
+REPO = Path(__file__).resolve().parents[2]
+
+PIPELINE = """
+name: sft-reproduce
+seed: 7
+stages:
+  data:
+    kind: select
+    inputs: {dataset: data/sft.jsonl}
+    selectors: [dedup, {name: subsample, config: {n: 128}}]
+  sft:
+    kind: sft
+    inputs: {model: "builtin:tiny", dataset: "stage:data", eval_dataset: data/test.jsonl}
+    algorithm: sft
+    rewards: [math_accuracy]
+    settings: {lr: 2.0e-3, max_steps: 12, batch_size: 8, micro_batch_size: 4, max_length: 96, save_every: 6,
+               log_every: 4, eval_fraction: 0.125, eval_limit: 8,
+               eval_generation: {max_new_tokens: 24, temperature: 0.0}}
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def child_env() -> dict[str, str]:
+    """For a subprocess: the harness's Prefect server, the venv's commands, not this process's rank."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
+    return env
+
+
+def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    for name in ("sft.jsonl", "test.jsonl"):
+        shutil.copy(REPO / "data" / name, tmp_path / "data" / name)
+    (tmp_path / "sft.yaml").write_text(PIPELINE)
+    first = run_pipeline(tmp_path / "sft.yaml", [], tmp_path)
+    assert {s.name: s.status for s in first.stages} == {"data": "ran", "sft": "ran"}
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["reproduce", first.mlflow_run_id])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "final metrics match exactly" in out
+
+    # the rerun trained from scratch in a fresh artifacts root: nothing was reused
+    client = MlflowClient(tracking_uri(tmp_path))
+    parent = client.get_run(first.mlflow_run_id)
+    runs = client.search_runs([parent.info.experiment_id], "tags.`alignflow.status` != ''")
+    again = [r for r in runs if r.data.tags["mlflow.parentRunId"] != first.mlflow_run_id]
+    assert sorted(r.data.tags["alignflow.status"] for r in again) == ["ran", "ran"]
+    recorded = parent.data.metrics
+    assert {"sft.train/loss", "sft.eval/loss", "sft.eval/accuracy", "sft.steps"} <= set(recorded)
+    assert not math.isnan(recorded["sft.train/loss"])
+
+
+def test_metric_comparison_matches_mlflow_keys_and_nan():
+    recorded = {"s.eval/pass_at_1": 0.5, "s.train/loss": math.nan, "s.steps": 10.0}
+    assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": math.nan, "s.steps": 10.0}) == {}
+    assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": 1.0}) == {
+        "s.train/loss": (recorded["s.train/loss"], 1.0), "s.steps": (10.0, None)}
+
+
+def dvc(cwd: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=child_env(),
+                          capture_output=True, text=True)
+    assert done.returncode == 0, f"dvc {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_dvc_repro_reruns_the_repository_pipeline_to_its_committed_metrics(tmp_path):
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    regenerate_data(clone)  # byte-identical to what data.dvc pins; the clone has no DVC cache
+
+    assert "Data and pipelines are up to date" in dvc(clone, "repro") + dvc(clone, "status")
+    stages = list(yaml.safe_load((clone / "dvc.yaml").read_text())["stages"])
+    out = dvc(clone, "repro", "--force")
+    assert all(f"Running stage '{s}'" in out for s in stages), out
+    assert (clone / "artifacts").is_dir() and (clone / "mlflow.db").is_file()
+
+    # the rerun rewrote the metrics, plots and dvc.lock byte for byte
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "dvc.lock", "metrics"], cwd=clone,
+                             capture_output=True, text=True, check=True).stdout
+    assert changed == ""
+    shown = json.loads(dvc(clone, "metrics", "show", "--json"))[""]["data"]
+    files = [f for f in shown if f.startswith("metrics/")]
+    assert files
+    for f in files:
+        assert shown[f]["data"] == json.loads((clone / f).read_text())
+    assert "Data and pipelines are up to date" in dvc(clone, "status")
