@@ -73,9 +73,11 @@ def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.preference import run_preference
     from alignflow.flows.stages.reward_model import run_reward_model
     from alignflow.flows.stages.rejection import run_rejection_sampling
+    from alignflow.flows.stages.rl import run_rl
 
     return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate, "preference": run_preference,
-            "reward_model": run_reward_model, "rejection_sampling": run_rejection_sampling}
+            "reward_model": run_reward_model, "rejection_sampling": run_rejection_sampling,
+            "rl": run_rl}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

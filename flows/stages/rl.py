@@ -91,13 +91,12 @@ class Parts:
     n_minibatches: int  # optimizer steps per epoch over a rollout
 
 
-def run_rl(ctx: StageContext) -> StageResult:
-    """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
+def build(ctx: StageContext) -> tuple[Parts, int]:
+    """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
-    updates = s.ppo_epochs * n_minibatches
     with model_source(ctx) as src:
         tokenizer = load_tokenizer(src)
         model = load_model(src, dtype=s.dtype)
@@ -105,17 +104,24 @@ def run_rl(ctx: StageContext) -> StageResult:
         critic = load_value_model(ctx.inputs.get("critic", src), dtype=s.dtype) if algo.requires_critic else None
     if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
         model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
-    engine, critic = engines(ctx, model, critic, total, updates)
+    engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(engine.module, tokenizer)
-    parts = Parts(algo, engine, critic, reference, sampler, RewardSet.from_refs(ctx.spec.rewards, ctx.plugins),
-                  tokenizer, dataset, n_minibatches)
+    rewards = RewardSet.from_refs(ctx.spec.rewards, ctx.plugins)
+    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches), total
+
+
+def run_rl(ctx: StageContext) -> StageResult:
+    """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
+    s = ctx.settings
+    p, total = build(ctx)
+    engine, critic, updates = p.engine, p.critic, s.ppo_epochs * p.n_minibatches
     metrics: dict[str, float] = {}
     with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
         for step in range(engine.step_count // updates, total):
-            metrics = rl_step(ctx, parts, step)
+            metrics = rl_step(ctx, p, step)
             if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
-                metrics.update(evaluate_model(ctx, engine.module, tokenizer))
+                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer))
             bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
                        accuracy=metrics["accuracy"])
             if (step + 1) % s.log_every == 0 or step + 1 == total:
@@ -125,9 +131,9 @@ def run_rl(ctx: StageContext) -> StageResult:
             engine.maybe_save({"step": step + 1})
     if hasattr(engine.module, EXTRA):
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
-    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
+    out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
-    final.update(steps=float(total), **evaluate_model(ctx, engine.module, tokenizer))
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer))
     ctx.log_metrics(final, total)
     headline = "eval/accuracy" if "eval/accuracy" in final else None
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
