@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, to_batch
-from alignflow.flows.stages.rl_update import prepare, rollout_stats, update
+from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.training import model_source, plugin, save_pretrained
 
 EXTRA = "rl_extra_parameters"  # algorithm parameters (λ-GRPO's λ) ride on the policy module
@@ -157,11 +158,15 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     def logprobs(model):
         return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature)
 
+    fill = {}  # the forward passes this algorithm needs before its advantages, and no other
+    if s.recompute_old_logprobs or (kept.logprobs is None and p.algo.needs_old_logprobs):
+        fill["old_logprobs"] = logprobs(p.engine.model)
+    if p.reference is not None:
+        fill["ref_logprobs"] = logprobs(p.reference)
+    if p.critic is not None:
+        fill["values"] = partial(critic_values, p.critic.module)
     batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens).to(p.engine.device)
-    recompute = s.recompute_old_logprobs or (kept.logprobs is None and p.algo.needs_old_logprobs)
-    batch = prepare(batch, p.algo, micro=s.micro_batch_size, policy=logprobs(p.engine.model) if recompute else None,
-                    reference=logprobs(p.reference) if p.reference is not None else None,
-                    critic=p.critic.module if p.critic is not None else None)
+    batch = prepare(batch, s.micro_batch_size, **fill)
     advantages, returns = p.algo.advantages(batch.rollout)
     trained = time.perf_counter()
     metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches, temperature,

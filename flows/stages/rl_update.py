@@ -44,18 +44,9 @@ def stitched(batch: Batch, micro: int, fn) -> Tensor:
     return out
 
 
-def prepare(batch: Batch, algo, *, micro: int, policy=None, reference=None, critic=None) -> Batch:
-    """The rollout's inputs to `algo.advantages`: pi_old (only when `policy` is given: the sampler had
-    none or the settings ask), reference log-probs and critic values when the algorithm needs them.
-    """
-    r, filled = batch.rollout, {}
-    if policy is not None:
-        filled["old_logprobs"] = stitched(batch, micro, policy)
-    if reference is not None:
-        filled["ref_logprobs"] = stitched(batch, micro, reference)
-    if critic is not None:
-        filled["values"] = stitched(batch, micro, lambda *a: critic_values(critic, *a))
-    return replace(batch, rollout=replace(r, **filled))
+def prepare(batch: Batch, micro: int, **fill) -> Batch:
+    """The batch with each named Rollout field set to fn(ids, attention, mask) over micro-batches."""
+    return replace(batch, rollout=replace(batch.rollout, **{k: stitched(batch, micro, fn) for k, fn in fill.items()}))
 
 
 def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tensor]:

@@ -144,6 +144,17 @@ def test_dapo_refills_filtered_groups(tmp_path, plugins, tiny):
     assert metrics["sampling/groups_filtered"] >= metrics["sampling/rounds"]  # a dead prompt in every round
 
 
+def test_a_step_with_every_group_filtered_changes_nothing(tmp_path, plugins, tiny):
+    """DAPO's refill cap reached with no group kept: the step runs no update, and the run goes on."""
+    log = []
+    data = write_rows(tmp_path / "rl.jsonl", ["dead"] * 4)
+    algorithm = {"name": "dapo", "config": {"max_gen_batches": 2}}
+    result = run_rl(make_ctx(tmp_path, plugins, tiny, algorithm, data, log, max_steps=2))
+    assert [(m["sampling/rounds"], m["sampling/groups_kept"]) for _, m in log[:-1]] == [(2, 0), (2, 0)]
+    before, after = weights(tiny), weights(result.outputs["model"])
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_sampler_logprobs_are_the_trainers_at_the_sampling_temperature(tiny):
     """pi_old comes from the sampler, not an extra forward: it must equal the trainer's log-probs."""
     from alignflow.core.settings import GenerationSettings
