@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Prefect gives its ephemeral server 20 s to start, which a busy laptop or CI box can miss.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
