@@ -106,10 +106,12 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
 
 @torch.no_grad()
 def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, float]:
-    """The algorithm's loss and metrics over held-out rows, taken as one step.
+    """The algorithm's loss and metrics over held-out rows, taken as one step; {} without rows.
 
     Every rank scores every row, so the norm is local (no all-reduce) and all ranks agree.
     """
+    if rows is None:
+        return {}
     engine.model.eval()
     micros = micro_batches(rows, list(range(len(rows))), micro, feed.collate)
     norm = StepNorm.of([feed.norm_mask(m) for m in micros])
@@ -122,8 +124,8 @@ def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, fl
     return {**tally.means(), "loss": loss}
 
 
-def final_metrics(train: dict[str, float], held_out: dict[str, float] | None, steps: int) -> dict[str, float]:
+def final_metrics(train: dict[str, float], held_out: dict[str, float], steps: int) -> dict[str, float]:
     """train/… from the last step (less its lr and grad norm), eval/… from the held-out rows."""
     out = {f"train/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm")}
-    out.update({f"eval/{k}": v for k, v in (held_out or {}).items()})
+    out.update({f"eval/{k}": v for k, v in held_out.items()})
     return {**out, "steps": float(steps)}

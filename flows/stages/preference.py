@@ -36,8 +36,7 @@ def scored_mask(micro: dict, name: str, scope: NllScope) -> torch.Tensor:
     The first token has no prefix to be predicted from, so no scope scores it (rows are right-padded).
     """
     p = PREFIX[name]
-    mask = micro[p + "labels"] != IGNORE_INDEX if scope == "completion" else micro[p + "attention_mask"].bool()
-    mask = mask.clone()
+    mask = micro[p + "labels"] != IGNORE_INDEX if scope == "completion" else micro[p + "attention_mask"] != 0
     mask[:, 0] = False
     return mask
 
@@ -67,15 +66,17 @@ class CachedReference:
 
     cache: dict[str, torch.Tensor]  # set name -> [rows] summed completion log-probs
     micro: dict
-    live: SequenceScorer | None
+    live: SequenceScorer | None  # the reference model, kept only when an algorithm needs "kl" sets
+    device: torch.device
 
     def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
         if name not in self.cache:
             with torch.no_grad():
                 return self.live(name, scope)
-        mask = scored_mask(self.micro, name, scope)
-        logps = self.cache[name][self.micro["row"]].to(self.live.device if self.live else mask.device)
-        return SequenceLogps(logps, mask.sum(-1).to(logps.device))
+        if scope != "completion":
+            raise ValueError(f"only completion log-probs of the reference are cached, not {scope!r} ones")
+        lengths = scored_mask(self.micro, name, scope).sum(-1)
+        return SequenceLogps(self.cache[name][self.micro["row"]].to(self.device), lengths.to(self.device))
 
 
 def split_row(row: dict) -> tuple[list[int], list[int]]:
@@ -138,7 +139,7 @@ def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | No
     def batch(micro: dict):
         policy = SequenceScorer(engine.model, micro, widest, engine.device)
         live = SequenceScorer(reference, micro, "completion", engine.device) if reference is not None else None
-        ref = CachedReference(cache, micro, live) if cache is not None else None
+        ref = CachedReference(cache, micro, live, engine.device) if cache is not None else None
         return build_batch(algo, policy, ref, micro.get("label"))
 
     return Feed(collate_rows, batch, lambda micro: scored_mask(micro, main, algo.nll_scope or "completion"))
@@ -180,7 +181,7 @@ def run_preference(ctx: StageContext) -> StageResult:
         return preference_feed(algo, engine, pad_id, s.max_length, caches.get(split), reference)
 
     last = train_loop(ctx, engine, algo, train, feed("train"))
-    held = held_out_metrics(engine, algo, held_out, feed("eval"), s.micro_batch_size) if held_out is not None else None
+    held = held_out_metrics(engine, algo, held_out, feed("eval"), s.micro_batch_size)
     final = final_metrics(last, held, steps)
     out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
     if eval_prefs is None:  # eval_dataset holds prompt+answer rows: task accuracy with the stage's rewards

@@ -61,7 +61,7 @@ def run_reward_model(ctx: StageContext) -> StageResult:
     engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
     feed = reward_feed(engine, tokenizer.pad_token_id, tokenizer.eos_token_id)
     last = train_loop(ctx, engine, algo, train, feed)
-    held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size) if held_out is not None else None
+    held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size)
     final = final_metrics(last, held, steps)
     out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
     ctx.log_metrics(final, engine.step_count)
