@@ -81,10 +81,11 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
         manifest = store.manifest(plan.name, plan.digest)
         if manifest is None:
             manifest = _run(plan, inputs, store, run, plugins)
-            status = manifest["status"]
+            # the runner's own time, not the wait for the training slot a sibling stage held
+            status, seconds = manifest["status"], manifest["timings"]["seconds"]
         else:
-            status = "cached"
-    outcome = StageOutcome(plan.name, plan.kind, status, time.perf_counter() - start, plan.digest,
+            status, seconds = "cached", time.perf_counter() - start
+    outcome = StageOutcome(plan.name, plan.kind, status, seconds, plan.digest,
                            store.folder(plan.name, plan.digest), store.outputs(manifest, plan.name),
                            manifest["metrics"], manifest.get("headline"), run.run_id)
     run.finish(status, outcome.metrics, {}, outcome.artifact / "manifest.json")
