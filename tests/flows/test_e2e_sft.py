@@ -3,6 +3,7 @@ server with MLflow's SQLite store; caching, partial reruns, and a SIGKILL resume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -167,7 +168,8 @@ def kill_at_first_checkpoint(project: Path, artifacts: Path, timeout: float = 60
             assert time.monotonic() < deadline, "no checkpoint before the timeout"
             time.sleep(0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # gone already: the assertion above says why
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
     return found[0].parent
