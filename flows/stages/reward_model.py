@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.data import collate
+from alignflow.core.data import collate, load_rows
 from alignflow.core.engine import Engine
 from alignflow.core.models import load_tokenizer, load_value_model, sequence_scores
 from alignflow.core.preference import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, split_rows,
-                                            train_loop)
+from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
 from alignflow.flows.stages.training import model_source, plugin, save_pretrained, total_steps
 
 SIDES = ("chosen", "rejected")
@@ -54,7 +53,8 @@ def run_reward_model(ctx: StageContext) -> StageResult:
     with model_source(ctx) as src:
         tokenizer = load_tokenizer(src)
         model = load_value_model(src, dtype=s.dtype)
-    train, held_out = split_rows(ctx, tokenizer, "pairwise", eval_rows(ctx, "pairwise"))
+    held_out = load_rows(ctx.inputs["eval_dataset"], "pairwise") if "eval_dataset" in ctx.inputs else None
+    train, held_out = split_rows(ctx, tokenizer, "pairwise", held_out)
 
     steps = total_steps(len(train), s)
     torch.manual_seed(ctx.seed)
