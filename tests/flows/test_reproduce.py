@@ -19,7 +19,7 @@ from prefect.settings import PREFECT_API_URL
 
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
-from alignflow.flows.pipeline import run_pipeline
+from alignflow.flows.pipeline import load_pipeline, run_pipeline
 from alignflow.flows.reproduce import compare_metrics
 from alignflow.flows.tracking import tracking_uri
 
@@ -120,13 +120,27 @@ def clone(tmp_path_factory) -> Path:
     return root
 
 
-def test_the_committed_dvc_lock_and_metrics_are_up_to_date(clone):
-    """`dvc repro` in a fresh clone has nothing to rerun, and `dvc metrics show` reads the committed files."""
-    assert "Data and pipelines are up to date" in dvc(clone, "repro") + dvc(clone, "status")
+def test_dvc_yaml_runs_valid_pipelines_and_its_lock_is_current(clone):
+    """Every stage runs `alignflow run` on a valid spec it depends on, declares the metrics and plots the
+    command writes, and, once the committed dvc.lock records it, is up to date in a fresh clone."""
+    stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        args = stage["cmd"].split()
+        assert args[:2] == ["alignflow", "run"], name
+        load_pipeline(clone / args[2], [])  # the spec and its plugin configs validate
+        assert {args[2], "data"} <= set(stage["deps"]), name
+        assert [next(iter(m)) for m in stage["metrics"]] == [args[args.index("--metrics") + 1]], name
+        assert [next(iter(p)) for p in stage["plots"]] == [args[args.index("--plots") + 1]], name
+
+    dvc(clone, "repro", "data.dvc")  # the regenerated data/ is what data.dvc pins: nothing to redo
+    status = json.loads(dvc(clone, "status", "--json"))
+    lock = clone / "dvc.lock"
+    locked = set((yaml.safe_load(lock.read_text() if lock.is_file() else "") or {}).get("stages", {}))
+    locked &= set(stages)  # a stage runs once before its lock entry is committed
+    assert not {s: status[s] for s in ["data.dvc", *locked] if s in status}
     shown = json.loads(dvc(clone, "metrics", "show", "--json"))[""]["data"]
-    assert shown
-    for path, entry in shown.items():
-        assert entry["data"] == json.loads((clone / path).read_text())
+    for path in (next(iter(m)) for s in locked for m in stages[s]["metrics"]):
+        assert shown[path]["data"] == json.loads((clone / path).read_text())
 
 
 def test_dvc_repro_runs_the_stage_command_and_tracks_its_metrics(clone):
