@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from alignflow.core.aggregation import StepNorm
 from alignflow.core.data import collate, load_rows, tokenize
 from alignflow.core.engine import Engine
 from alignflow.core.models import load_model, load_tokenizer, token_logprobs
@@ -30,7 +31,7 @@ def held_out_loss(engine, algo, rows, micro: int, pad_id: int) -> float:
     """The algorithm's loss over held-out rows, as one step (each row weighted as in training)."""
     engine.model.eval()
     batches = [collate([rows[i] for i in idx], pad_id) for idx in micro_slices(list(range(len(rows))), micro)]
-    norm = engine.step_norm([(b["labels"] != -100).float() for b in batches])
+    norm = StepNorm.of([(b["labels"] != -100).float() for b in batches])  # every rank scores every row
     total = sum(algo.loss(token_batch(engine, b), norm)[0].item() for b in batches)
     engine.model.train()
     return total
