@@ -1,4 +1,4 @@
-"""What the offline pairwise stages (preference, reward_model) share: rows, the step loop, held-out metrics.
+"""What the offline stages (sft, preference, reward_model) share: rows, the step loop, held-out metrics.
 
 A stage describes how its rows become the algorithm's batch with a `Feed`; the loop below never
 looks inside the batch, so every algorithm of the stage runs through the same code.
