@@ -12,3 +12,9 @@ def test_ci_runs_the_readme_test_command():
     assert command.startswith("python -m pytest")
     assert f"```bash\n{command}\n```" in readme
     assert "pip install --quiet torch==2.13.0" in "\n".join(ci)
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest's default import mode cannot collect two test modules of the same basename."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted(names) == sorted(set(names)), sorted({n for n in names if names.count(n) > 1})
