@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -80,23 +80,29 @@ def check_row(row: Any, schema: str) -> str | None:
     return None
 
 
-def validate_jsonl(path: Path, schema: str) -> int:
-    """One fast pass over a JSONL file; raises DataError at the first bad line. Returns the row count."""
-    if schema not in SCHEMAS:
-        raise DataError(f"unknown schema {schema!r}: expected one of {', '.join(SCHEMAS)}")
-    rows = 0
+def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, value) for each non-blank line; invalid JSON raises `file:line: invalid JSON`."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{line_no}: invalid JSON: {e.msg} (column {e.colno})") from None
-            problem = check_row(row, schema)
-            if problem:
-                raise DataError(f"{path}:{line_no}: {problem}")
-            rows += 1
+            yield line_no, value
+
+
+def validate_jsonl(path: Path, schema: str) -> int:
+    """One fast pass over a JSONL file; raises DataError at the first bad line. Returns the row count."""
+    if schema not in SCHEMAS:
+        raise DataError(f"unknown schema {schema!r}: expected one of {', '.join(SCHEMAS)}")
+    rows = 0
+    for line_no, row in iter_jsonl(path):
+        problem = check_row(row, schema)
+        if problem:
+            raise DataError(f"{path}:{line_no}: {problem}")
+        rows += 1
     if rows == 0:
         raise DataError(f"{path}: empty dataset: no rows")
     return rows

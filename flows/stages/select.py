@@ -12,6 +12,7 @@ import json
 import random
 from pathlib import Path
 
+from alignflow.core.data import iter_jsonl
 from alignflow.core.errors import DataError, SpecError
 from alignflow.core.spec import validate_config
 from alignflow.flows.stages import StageContext, StageResult
@@ -22,17 +23,10 @@ def read_jsonl(path: Path) -> list[dict]:
     if path.is_dir():
         raise DataError(f"{path}: a select stage reads one JSONL file, got a folder")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{i}: not valid JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    for line_no, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
