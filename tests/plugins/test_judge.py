@@ -2,19 +2,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from alignflow.core.tokenizer import build_char_tokenizer
 from alignflow.plugins.judge import Judge
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=?.,:"
-
-
 def char_tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return build_char_tokenizer()
 
 
 class Parser(Judge):
@@ -62,7 +54,7 @@ def tiny_lm(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(char_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, eos_token_id=1)
     path = tmp_path_factory.mktemp("judge")
     Qwen2ForCausalLM(config).save_pretrained(path)

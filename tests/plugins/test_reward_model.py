@@ -1,19 +1,11 @@
 import pytest
 import torch
 
+from alignflow.core.tokenizer import build_char_tokenizer
 from alignflow.plugins.reward_model import RewardModel
 
-CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +=?.,"
-
-
 def char_tokenizer():
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per char
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return build_char_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +13,7 @@ def checkpoint(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = Qwen2Config(vocab_size=len(char_tokenizer()), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
     path = tmp_path_factory.mktemp("rm")
     Qwen2ForSequenceClassification(config).save_pretrained(path)
