@@ -5,6 +5,7 @@ from pydantic import ValidationError
 from alignflow.core.tokenizer import build_char_tokenizer
 from alignflow.plugins.judge import Judge
 
+
 def char_tokenizer():
     return build_char_tokenizer()
 

@@ -4,6 +4,7 @@ import torch
 from alignflow.core.tokenizer import build_char_tokenizer
 from alignflow.plugins.reward_model import RewardModel
 
+
 def char_tokenizer():
     return build_char_tokenizer()
 
