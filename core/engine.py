@@ -97,6 +97,7 @@ def ds_config(settings: TrainSettings, world_size: int, num_params: int) -> dict
         "zero_optimization": {"stage": settings.zero_stage, **_buckets(num_params)},
         "bf16": {"enabled": settings.dtype == "bf16"},
         "steps_per_print": 2**31 - 1,
+        "zero_allow_untested_optimizer": True,  # torch's own AdamW and SGD, which ZeRO wraps like any other
     }
 
 
@@ -110,15 +111,18 @@ def _buckets(num_params: int) -> dict[str, int]:
     return {"reduce_bucket_size": size, "allgather_bucket_size": size, "stage3_prefetch_bucket_size": size}
 
 
-def _adamw(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.AdamW:
-    """AdamW without decay on biases and norm gains (tensors under two dimensions)."""
+def _optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.Optimizer:
+    """AdamW (or SGD) without decay on biases and norm gains (tensors under two dimensions)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": settings.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    groups = [g for g in groups if g["params"]]
+    if settings.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum)
     # torch's own AdamW: DeepSpeed's fused/CPU Adam need compiled ops that a CPU install may lack
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=settings.lr)
+    return torch.optim.AdamW(groups, lr=settings.lr)
 
 
 class Engine:
@@ -156,7 +160,7 @@ class Engine:
         clip_here = settings.zero_stage == 0 and settings.dtype == "fp32"
         if clip_here:
             config["gradient_clipping"] = 0.0
-        optimizer = _adamw(model, settings)
+        optimizer = _optimizer(model, settings)
         schedule = lr_lambda(settings.lr_scheduler, total_steps, settings.warmup_ratio)
         ds, *_ = deepspeed.initialize(
             model=model,

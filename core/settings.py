@@ -29,6 +29,8 @@ class TrainSettings(PluginConfig):
     lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = 0.0
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # sgd only
     batch_size: int = Field(16, ge=1)  # sequences per optimizer step, all ranks together
     micro_batch_size: int = Field(16, ge=1)  # sequences per forward pass on one rank
     max_length: int = Field(512, ge=8)

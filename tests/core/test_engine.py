@@ -110,6 +110,20 @@ def test_step_reports_lr_and_grad_norm_and_clips():
 
 
 @pytest.mark.parametrize("zero", [0, 2])
+def test_sgd_takes_the_plain_gradient_step(zero):
+    """optimizer: sgd moves w by -lr * g (after clipping), under ZeRO as without it."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.1, lr_scheduler="constant",
+                             optimizer="sgd", grad_clip=10.0, zero_stage=zero)
+    engine = Engine.create(model, settings, total_steps=1)
+    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]])
+    engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4)
+    engine.step()
+    torch.testing.assert_close(engine.module.weight.detach(), torch.tensor([[-0.3, 0.0, 0.0, -0.4]]))
+
+
+@pytest.mark.parametrize("zero", [0, 2])
 def test_step_without_backward_only_advances_the_schedule(zero):
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=1.0, lr_scheduler="linear", zero_stage=zero)
     engine = Engine.create(torch.nn.Linear(4, 2), settings, total_steps=4)
