@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,11 +21,11 @@ from prefect.client.schemas.filters import FlowRunFilter
 from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 
+from alignflow.core.task import write_datasets
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import Tracker
 
-REPO = Path(__file__).resolve().parents[2]
 
 # data -> sft_a -> sft_b, and sft_c, a sibling of sft_a. sft_a saves every 5 of its 20 steps, so a
 # kill after its first checkpoint lands mid-stage; sft_b also scores greedy answers on the test set.
@@ -91,9 +90,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sft-e2e")
-    (root / "data").mkdir()
-    for name in ("sft.jsonl", "test.jsonl"):
-        shutil.copy(REPO / "data" / name, root / "data" / name)
+    write_datasets(root / "data")  # the bundled task, as `alignflow data` writes it
     (root / "pipeline.yaml").write_text(HEAD + STAGES + DESCENDANTS)
     (root / "prefix.yaml").write_text(HEAD + STAGES)  # data and sft_a only: the same two digests
     return root

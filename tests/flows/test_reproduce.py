@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
+from alignflow.core.task import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
 from alignflow.flows.pipeline import load_pipeline, run_pipeline
@@ -62,9 +62,7 @@ def child_env() -> dict[str, str]:
 
 
 def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkeypatch, capsys):
-    (tmp_path / "data").mkdir()
-    for name in ("sft.jsonl", "test.jsonl"):
-        shutil.copy(REPO / "data" / name, tmp_path / "data" / name)
+    write_datasets(tmp_path / "data")  # the bundled task, as `alignflow data` writes it
     (tmp_path / "sft.yaml").write_text(PIPELINE)
     first = run_pipeline(tmp_path / "sft.yaml", [], tmp_path)
     assert {s.name: s.status for s in first.stages} == {"data": "ran", "sft": "ran"}
