@@ -25,6 +25,18 @@ class Generation:
     def lengths(self) -> list[int]:
         return [len(ids) for ids in self.completion_ids]
 
+    @classmethod
+    def concat(cls, parts: list[tuple[int, "Generation"]]) -> "Generation":
+        """Join generations of consecutive prompt chunks, each given with its first prompt's index."""
+        logprobs = None if any(g.logprobs is None for _, g in parts) else [lp for _, g in parts for lp in g.logprobs]
+        timings: dict[str, float] = {}
+        for _, g in parts:
+            for k, v in g.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+        return cls([lo + i for lo, g in parts for i in g.prompt_index],
+                   [c for _, g in parts for c in g.completion_ids], [t for _, g in parts for t in g.texts],
+                   [t for _, g in parts for t in g.truncated], logprobs, timings)
+
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token rows to the longest one: (input_ids, attention_mask)."""

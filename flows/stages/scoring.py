@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
+from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
 
@@ -68,10 +69,22 @@ def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
     return cols
 
 
+def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = 64) -> Generation:
+    """`n` completions per row's prompt, `chunk` prompts at a time under a progress bar."""
+    ids = prompt_ids(tokenizer, rows)
+    parts = []
+    with progress("generate", total=len(ids), unit="prompt") as bar:
+        for lo in range(0, len(ids), chunk):
+            part = sampler.generate(ids[lo: lo + chunk], n, gen, seed + lo)
+            parts.append((lo, part))
+            bar.update(len(ids[lo: lo + chunk]), tokens=sum(part.lengths))
+    return Generation.concat(parts)
+
+
 def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,
                        rewards: RewardSet) -> Scored:
     """`n` completions per row's prompt, scored by every reward."""
-    generation = sampler.generate(prompt_ids(tokenizer, rows), n, gen, seed)
+    generation = generate(sampler, tokenizer, rows, n, gen, seed)
     prompts = [rows[i]["prompt"] for i in generation.prompt_index]
     out = rewards(prompts, generation.texts, **columns_for(rows, generation))
     first = out.values[rewards.rewards[0].name]

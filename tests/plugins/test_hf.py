@@ -89,3 +89,19 @@ def test_update_weights_shares_the_module(policy):
     s = sampler(policy)
     s.update_weights(model)
     assert s.model is model
+
+
+def test_chunked_generation_concatenates_in_prompt_order(policy):
+    """Generating prompt chunks and joining them keeps each completion with its prompt."""
+    from alignflow.core.sampling import Generation
+
+    model, tok = policy
+    s = sampler(policy)
+    prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=")]
+    greedy = GenerationSettings(max_new_tokens=5, temperature=0.0)
+    whole = s.generate(prompts, 2, greedy, seed=0)
+    joined = Generation.concat([(0, s.generate(prompts[:2], 2, greedy, seed=0)),
+                                (2, s.generate(prompts[2:], 2, greedy, seed=0))])
+    assert joined.prompt_index == whole.prompt_index == [0, 0, 1, 1, 2, 2]
+    assert joined.completion_ids == whole.completion_ids and joined.texts == whole.texts
+    assert [len(lp) for lp in joined.logprobs] == joined.lengths
