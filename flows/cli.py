@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -147,10 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging() -> None:
+    """alignflow's own INFO lines (progress off a terminal, resumes) go to stderr; other libraries keep theirs."""
+    logger = logging.getLogger("alignflow")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s | %(name)s | %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     # Prefect gives its ephemeral server 20 s to start, which a busy laptop or CI box can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by design: no telemetry calls
     args = build_parser().parse_args(argv)
+    configure_logging()
     try:
         return args.func(args)
     except AlignflowError as exc:

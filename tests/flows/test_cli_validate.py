@@ -85,3 +85,18 @@ def test_validate_unknown_algorithm_suggests(pipeline):
     out = alignflow("validate", pipeline(PIPELINE.replace("name: dpo", "name: dpo2")))
     assert out.returncode == 1
     assert "unknown algorithm 'dpo2'; did you mean 'dpo'?" in out.stderr
+
+
+def test_progress_lines_reach_stderr_off_a_terminal(capfd):
+    """Off a terminal the CLI's logging shows the progress lines a bar would show."""
+    import io
+
+    from alignflow.core.progress import progress
+    from alignflow.flows.cli import configure_logging
+
+    configure_logging()
+    with progress("demo", total=2, stream=io.StringIO()) as bar:
+        bar.update(loss=1.5)
+        bar.update(loss=1.25)
+    err = capfd.readouterr().err
+    assert "alignflow.progress" in err and "demo 2/2" in err and "loss=1.25" in err
