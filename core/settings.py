@@ -15,6 +15,14 @@ class GenerationSettings(PluginConfig):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
+class ModelOptions(PluginConfig):
+    """How a stage loads its models and tokenizer (any transformers checkpoint or hub id)."""
+
+    attn_implementation: str | None = None  # e.g. "sdpa", "eager", "flash_attention_2"; None: transformers' choice
+    chat_template: str | None = None  # Jinja text or a file path; None: the tokenizer's own
+    trust_remote_code: bool = False
+
+
 def greedy() -> GenerationSettings:
     return GenerationSettings(temperature=0.0)
 
@@ -23,6 +31,7 @@ class TrainSettings(PluginConfig):
     """What every training stage shares: the optimiser, schedule, batching and engine."""
 
     seed: int | None = None  # None: the pipeline's seed
+    model: ModelOptions = Field(default_factory=ModelOptions)
     epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides epochs when set
     lr: float = 1e-4
@@ -68,6 +77,7 @@ class SelectSettings(PluginConfig):
 
 class SampleSettings(PluginConfig):
     seed: int | None = None
+    model: ModelOptions = Field(default_factory=ModelOptions)
     n: int = Field(4, ge=1)  # completions per prompt
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair

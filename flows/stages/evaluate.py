@@ -6,10 +6,9 @@ import json
 from collections import defaultdict
 
 from alignflow.core.data import load_rows
-from alignflow.core.models import load_model, load_tokenizer
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
-from alignflow.flows.stages.training import model_source, plugin
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -35,7 +34,7 @@ def run_evaluate(ctx: StageContext) -> StageResult:
     """Score `model` on `dataset` (prompt + answer rows); the samples are the stage's dataset output."""
     s = ctx.settings
     with model_source(ctx) as src:
-        tokenizer, model = load_tokenizer(src), load_model(src, dtype="fp32")
+        tokenizer, model = load_tokenizer_for(ctx, src), load_model_for(ctx, src, dtype="fp32")
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)

@@ -17,13 +17,14 @@ import torch.distributed as dist
 
 from alignflow.core.data import IGNORE_INDEX, collate, truncate
 from alignflow.core.engine import Engine, frozen
-from alignflow.core.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.models import token_logprobs
 from alignflow.core.preference import NllScope, SequenceLogps, build_batch, mismatched_pairs
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
                                             split_rows, train_loop)
-from alignflow.flows.stages.training import model_source, plugin, save_pretrained, total_steps
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
+                                             save_pretrained, total_steps)
 
 # Scorer set name -> the prefix of its columns in a collated micro-batch.
 PREFIX = {"chosen": "chosen_", "rejected": "rejected_", "completion": "", "kl": "kl_"}
@@ -148,9 +149,9 @@ def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | No
 def load_reference(ctx: StageContext, src: str):
     """The frozen reference's weights: the `reference` input, else the initial policy."""
     if "reference" not in ctx.inputs:
-        return load_model(src, dtype=ctx.settings.dtype)
+        return load_model_for(ctx, src)
     with model_source(ctx, "reference") as ref_src:
-        return load_model(ref_src, dtype=ctx.settings.dtype)
+        return load_model_for(ctx, ref_src)
 
 
 def run_preference(ctx: StageContext) -> StageResult:
@@ -159,8 +160,8 @@ def run_preference(ctx: StageContext) -> StageResult:
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     schema = "unpaired" if algo.requires_labels else "pairwise"
     with model_source(ctx) as src:
-        tokenizer = load_tokenizer(src)
-        model = load_model(src, dtype=s.dtype)
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src)
         reference = load_reference(ctx, src) if algo.requires_reference else None
     eval_prefs = eval_rows(ctx, schema)
     train, held_out = split_rows(ctx, tokenizer, schema, eval_prefs)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 from alignflow.core.data import load_rows
-from alignflow.core.models import load_model, load_tokenizer
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
 from alignflow.flows.stages.select import write_jsonl
-from alignflow.flows.stages.training import model_source, plugin
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 
 def best(candidates: list[int], total: list[float]) -> int | None:
@@ -52,8 +51,8 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
     with model_source(ctx) as src:
-        tokenizer = load_tokenizer(src)
-        model = load_model(src).to("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()

@@ -11,11 +11,12 @@ import torch
 
 from alignflow.core.data import collate, load_rows
 from alignflow.core.engine import Engine
-from alignflow.core.models import load_tokenizer, load_value_model, sequence_scores
+from alignflow.core.models import sequence_scores
 from alignflow.core.preference import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import model_source, plugin, save_pretrained, total_steps
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
+                                             save_pretrained, total_steps)
 
 SIDES = ("chosen", "rejected")
 
@@ -51,8 +52,8 @@ def run_reward_model(ctx: StageContext) -> StageResult:
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     with model_source(ctx) as src:
-        tokenizer = load_tokenizer(src)
-        model = load_value_model(src, dtype=s.dtype)
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src, value_head=True)
     held_out = load_rows(ctx.inputs["eval_dataset"], "pairwise") if "eval_dataset" in ctx.inputs else None
     train, held_out = split_rows(ctx, tokenizer, "pairwise", held_out)
 

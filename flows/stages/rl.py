@@ -19,14 +19,15 @@ import torch
 from alignflow.core.data import load_rows
 from alignflow.core.engine import Engine, frozen
 from alignflow.core.errors import SpecError
-from alignflow.core.models import load_model, load_tokenizer, load_value_model, token_logprobs
+from alignflow.core.models import token_logprobs
 from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, to_batch
 from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
-from alignflow.flows.stages.training import model_source, plugin, save_pretrained
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
+                                             save_pretrained)
 
 EXTRA = "rl_extra_parameters"  # algorithm parameters (λ-GRPO's λ) ride on the policy module
 
@@ -57,9 +58,9 @@ def minibatches_per_rollout(ctx: StageContext, algo) -> int:
 def load_reference(ctx: StageContext, policy_source: str):
     """The frozen reference: the `reference` input, else the initial policy."""
     if "reference" not in ctx.inputs:
-        return frozen(load_model(policy_source, dtype=ctx.settings.dtype), ctx.settings)
+        return frozen(load_model_for(ctx, policy_source), ctx.settings)
     with model_source(ctx, "reference") as src:
-        return frozen(load_model(src, dtype=ctx.settings.dtype), ctx.settings)
+        return frozen(load_model_for(ctx, src), ctx.settings)
 
 
 def engines(ctx: StageContext, model, critic, total: int, updates: int):
@@ -99,10 +100,10 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
-        tokenizer = load_tokenizer(src)
-        model = load_model(src, dtype=s.dtype)
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src)
         reference = load_reference(ctx, src) if algo.requires_reference else None
-        critic = load_value_model(ctx.inputs.get("critic", src), dtype=s.dtype) if algo.requires_critic else None
+        critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
     if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
         model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)

@@ -6,12 +6,13 @@ import torch
 
 from alignflow.core.data import collate
 from alignflow.core.engine import Engine
-from alignflow.core.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.models import token_logprobs
 from alignflow.core.preference import TokenBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import model_source, plugin, save_pretrained, total_steps
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
+                                             save_pretrained, total_steps)
 
 
 def token_feed(engine, pad_id: int) -> Feed:
@@ -31,8 +32,8 @@ def run_sft(ctx: StageContext) -> StageResult:
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     with model_source(ctx) as src:
-        tokenizer = load_tokenizer(src)
-        model = load_model(src, dtype=s.dtype)
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src)
     train, held_out = split_rows(ctx, tokenizer, "sft")
 
     steps = total_steps(len(train), s)

@@ -33,6 +33,24 @@ def model_source(ctx: StageContext, key: str = "model") -> Iterator[str]:
     yield str(value)
 
 
+def load_tokenizer_for(ctx: StageContext, src):
+    """The stage's tokenizer, with `settings.model` options (chat template, remote code)."""
+    from alignflow.core.models import load_tokenizer
+
+    o = ctx.settings.model
+    return load_tokenizer(src, o.chat_template, trust_remote_code=o.trust_remote_code)
+
+
+def load_model_for(ctx: StageContext, src, *, value_head: bool = False, dtype: str | None = None):
+    """A causal LM (or a one-output value model) with `settings.model` options and the stage's dtype."""
+    from alignflow.core.models import load_model, load_value_model
+
+    o = ctx.settings.model
+    loader = load_value_model if value_head else load_model
+    return loader(src, dtype=dtype or getattr(ctx.settings, "dtype", "fp32"),
+                  attn_implementation=o.attn_implementation, trust_remote_code=o.trust_remote_code)
+
+
 def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):
     """Instantiate a registered plugin class with its validated `config:` block."""
     cls = registry.get(ref.name)

@@ -55,3 +55,20 @@ def test_loss_falls_and_metrics_are_reported(tmp_path, data):
     uniform = math.log(264)  # the untrained model's loss is about this: uniform over the vocabulary
     assert m["train/loss"] < 0.75 * uniform
     assert m["eval/loss"] < 0.75 * uniform  # held-out rows (a quarter of them) improve too
+
+
+def test_model_options_reach_the_loaders(tmp_path, data):
+    """settings.model picks the attention implementation and the chat template of the stage's model."""
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    spec = parse_spec({"name": "s", "stages": {"sft": {
+        "kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": str(data)}, "algorithm": "sft",
+        "settings": {"model": {"attn_implementation": "eager", "chat_template": template}}}}})
+    stage = spec.stages["sft"]
+    ctx = StageContext("sft", stage, TrainSettings.model_validate(stage.settings), dict(stage.inputs),
+                       tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, get_plugins())
+    from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source
+
+    with model_source(ctx) as src:
+        model, tokenizer = load_model_for(ctx, src), load_tokenizer_for(ctx, src)
+    assert model.config._attn_implementation == "eager"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "[hi]"
