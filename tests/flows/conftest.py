@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from prefect.testing.utilities import prefect_test_harness
 
 
@@ -10,6 +11,15 @@ def prefect_server():
     """One real ephemeral Prefect server (temporary database) for every flow test."""
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

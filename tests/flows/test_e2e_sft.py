@@ -78,13 +78,7 @@ def task_states(flow_run_id: str) -> dict[str, str]:
     return {r.name: r.state.name for r in runs}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
@@ -44,13 +43,7 @@ stages:
 """
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def child_env() -> dict[str, str]:
