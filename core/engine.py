@@ -58,7 +58,8 @@ def init_distributed() -> None:
         with socket.socket() as s:  # a free port, so concurrent single-process runs do not collide
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 

@@ -92,6 +92,11 @@ def _wanted(ep: md.EntryPoint) -> bool:
     return ep.name in names or dist in names
 
 
+def entry_point_names() -> set[str]:
+    """Names of the wanted entry points: what `get_plugins()` loads in a fresh process."""
+    return {ep.name for ep in md.entry_points(group=GROUP) if _wanted(ep)}
+
+
 def load_entry_points(plugins: Plugins) -> None:
     """Import every wanted entry point of the group; a failure names the distribution and entry point."""
     for ep in sorted(md.entry_points(group=GROUP), key=lambda e: (e.dist.name if e.dist else "", e.name)):

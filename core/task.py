@@ -5,6 +5,12 @@ A solution works column by column from the right, one space-separated step per c
 the next column; a borrow as a ``1`` before the top digit and ``-1`` in the next column
 (``52-17=`` -> ``12-7=5 5-1-1=3``); ``47*6=`` -> ``7*6=42 4*6+4=28``. The answer is the last
 column's value followed by the other columns' last digits, so every step is local and short.
+
+`sft_noisy.jsonl` holds the same kind of worked solutions from a sloppy teacher: in NOISE of the
+solutions that take a carry or borrow, the teacher forgets the first one (and follows through
+consistently). A model trained on it inherits the habit, so its greedy answers are wrong on most
+such problems while correct solutions stay within its sampling reach: the cold start the RL stages
+of `pipelines/r1-tiny.yaml` improve on with the verifier reward alone.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ LEVELS = {
 }
 # Share of each level in every dataset; level 3 has only 720 distinct problems, which bounds it.
 LEVEL_WEIGHTS = {1: 6, 2: 6, 3: 3, 4: 5}
-SIZES = {"sft": 4000, "rl": 1500, "test": 500, "pairs": 1500, "unpaired": 1500, "steps": 1500}
+SIZES = {"sft": 4000, "sft_noisy": 4000, "rl": 1500, "test": 500, "pairs": 1500, "unpaired": 1500,
+         "steps": 1500}
+NOISE = 0.6  # share of sft_noisy solutions with a carry or borrow in which the first one is dropped
 
 _PROMPT = re.compile(r"^(\d+)([+\-*])(\d+)=$")
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -52,6 +60,10 @@ class Problem:
 
     def completion(self) -> str:
         return render(self.steps(), self.answer)
+
+    def carry_columns(self) -> list[int]:
+        """Columns (0 = rightmost) that take an incoming carry or borrow: a third term on the left."""
+        return [i for i, step in enumerate(self.steps()) if len(re.findall(r"[+\-*]", step.split("=")[0])) >= 2]
 
 
 def evaluate(a: int, op: str, b: int) -> int:
@@ -139,6 +151,16 @@ def corrupt(problem: Problem, rng: random.Random) -> tuple[list[str], str, int]:
     raise AssertionError(f"no valid fault for {problem.prompt}")  # unreachable: "up" always works
 
 
+def sloppy(problem: Problem, rng: random.Random) -> tuple[list[str], str]:
+    """The sloppy teacher's solution: with probability NOISE, the first carry or borrow is dropped."""
+    columns = problem.carry_columns()
+    if columns and rng.random() < NOISE:
+        dropped = work(problem.a, problem.op, problem.b, (columns[0], "carry"))
+        if dropped is not None:  # always, in fact: a dropped carry never makes a negative column
+            return dropped
+    return problem.steps(), problem.answer
+
+
 def parse(prompt: str) -> tuple[int, str, int] | None:
     m = _PROMPT.match(prompt.strip())
     return (int(m[1]), m[2], int(m[3])) if m else None
@@ -184,6 +206,8 @@ def _rows(name: str, problems: list[Problem], rng: random.Random) -> list[dict]:
     for i, p in enumerate(problems):
         if name == "sft":
             rows.append({"prompt": p.prompt, "completion": p.completion()})
+        elif name == "sft_noisy":
+            rows.append({"prompt": p.prompt, "completion": render(*sloppy(p, rng))})
         elif name in ("rl", "test"):
             rows.append({"prompt": p.prompt, "answer": p.answer, "level": p.level})
         elif name == "pairs":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata as md
 import threading
 import time
@@ -13,7 +12,8 @@ from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.core.settings import settings_model
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.plan import StagePlan
-from alignflow.flows.stages import OUTPUT_OF_INPUT, RUNNERS, StageContext
+from alignflow.flows.child import can_run_in_child, run_in_child
+from alignflow.flows.stages import OUTPUT_OF_INPUT, RUNNERS, StageContext, StageResult
 from alignflow.flows.tracking import StageRun, Tracker
 
 
@@ -35,14 +35,29 @@ class StageOutcome:
 
 # Stage kinds whose runners touch no process-wide state, so sibling stages may run them at once.
 # The others seed and draw from torch's global RNG (model init), share DeepSpeed's process group,
-# and import transformers lazily (not thread-safe): in two threads they corrupt each other.
+# and import transformers lazily (not thread-safe): in two threads they corrupt each other. So one
+# of them at a time runs in this process, and a sibling that starts meanwhile runs in a child
+# process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
 THREAD_SAFE_KINDS = frozenset({"select"})
 _exclusive = threading.Lock()
 
 
-def runner_slot(kind: str) -> contextlib.AbstractContextManager:
-    """The process-wide lock for kinds not in `THREAD_SAFE_KINDS`, else nothing."""
-    return contextlib.nullcontext() if kind in THREAD_SAFE_KINDS else _exclusive
+def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResult:
+    """`RUNNERS[kind](ctx)` here when this process is free for it, else in a child process; appends
+    the time the runner started (after any wait for this process) to `started`."""
+    if kind in THREAD_SAFE_KINDS:
+        started.append(time.time())
+        return RUNNERS[kind](ctx)
+    if not _exclusive.acquire(blocking=False):
+        if can_run_in_child(ctx.plugins):
+            started.append(time.time())
+            return run_in_child(kind, ctx)
+        _exclusive.acquire()
+    try:
+        started.append(time.time())
+        return RUNNERS[kind](ctx)
+    finally:
+        _exclusive.release()
 
 
 class StageFailed(AlignflowError):
@@ -81,7 +96,7 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
         manifest = store.manifest(plan.name, plan.digest)
         if manifest is None:
             manifest = _run(plan, inputs, store, run, plugins)
-            # the runner's own time, not the wait for the training slot a sibling stage held
+            # the runner's own time, not a wait for this process while a sibling stage held it
             status, seconds = manifest["status"], manifest["timings"]["seconds"]
         else:
             status, seconds = "cached", time.perf_counter() - start
@@ -102,17 +117,17 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
     )
     resumed = ctx.resuming()
-    with runner_slot(plan.kind):
-        started = time.time()
-        try:
-            result = RUNNERS[plan.kind](ctx)
-        except Exception as exc:
-            seconds = time.time() - started
-            run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
-            failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
-            failed.seconds = seconds
-            raise failed from exc
-        finished = time.time()
+    clock = []
+    try:
+        result = call_runner(plan.kind, ctx, clock)
+        started = clock[0]
+    except Exception as exc:
+        seconds = time.time() - clock[0] if clock else 0.0
+        run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
+        failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
+        failed.seconds = seconds
+        raise failed from exc
+    finished = time.time()
     manifest = {
         "digest": plan.digest, "stage": plan.name, "kind": plan.kind,
         "status": "resumed" if resumed else "ran",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from alignflow.core.errors import AlignflowError
@@ -23,14 +25,25 @@ def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[s
             if not same(recorded.get(k), now.get(k))}
 
 
-def restore_data_version(recorded: str | None, project: Path) -> bool:
-    """Write the recorded data.dvc back and `dvc checkout` it from the cache; True if it changed."""
+@contextlib.contextmanager
+def recorded_data_version(recorded: str | None, project: Path) -> Iterator[bool]:
+    """Inside: the recorded data.dvc, checked out of the DVC cache (yields True if that changed
+    anything). After: the data.dvc found before, checked out again, so the workspace is as it was."""
     current = project / "data.dvc"
-    if recorded is None or (current.is_file() and current.read_text() == recorded):
-        return False
+    before = current.read_text() if current.is_file() else None
+    if recorded is None or before == recorded:
+        yield False
+        return
     current.write_text(recorded)
-    dvc(project, "checkout", "data.dvc")
-    return True
+    try:
+        dvc(project, "checkout", "data.dvc")
+        yield True
+    finally:
+        if before is None:
+            current.unlink()
+        else:
+            current.write_text(before)
+            dvc(project, "checkout", "data.dvc")
 
 
 def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tuple]]:
@@ -48,7 +61,7 @@ def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tup
         names = {f.path for f in client.list_artifacts(run_id)}
         recorded_dvc = Path(client.download_artifacts(run_id, "data.dvc", tmp)).read_text() \
             if "data.dvc" in names else None
-        restore_data_version(recorded_dvc, project)
-        # The spec's relative inputs are relative to the project, not to where it was downloaded.
-        report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts")
+        with recorded_data_version(recorded_dvc, project):
+            # The spec's relative inputs are relative to the project, not to where it was downloaded.
+            report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts")
     return report, compare_metrics(parent.data.metrics, report.final_metrics())

@@ -46,7 +46,7 @@ def test_write_datasets_is_byte_identical_and_seed_dependent(datasets, tmp_path)
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert {n: digest(p) for n, p in paths.items()} == {n: digest(p) for n, p in again.items()}
     assert digest(paths["sft"]) != digest(other["sft"])
-    assert set(paths) == {"sft", "rl", "pairs", "unpaired", "steps", "test"}
+    assert set(paths) == {"sft", "sft_noisy", "rl", "pairs", "unpaired", "steps", "test"}
     assert sum(p.stat().st_size for p in paths.values()) < 3_000_000
     line = paths["sft"].read_text().splitlines()[0]
     assert line == json.dumps(json.loads(line), sort_keys=True)
@@ -57,7 +57,7 @@ def test_sizes_and_level_mix(datasets):
     assert {n: len(r) for n, r in rows.items()} == task.SIZES
     levels = [r["level"] for r in rows["test"]]
     assert {lv: levels.count(lv) for lv in task.LEVELS} == {1: 150, 2: 150, 3: 75, 4: 125}
-    for name in ("sft", "rl", "test"):
+    for name in ("sft", "sft_noisy", "rl", "test"):
         assert len({r["prompt"] for r in rows[name]}) == len(rows[name])
 
 
@@ -148,3 +148,32 @@ def test_verify_and_extract_answer():
     assert extract_answer(render(["7+8=15"], "15")) == "15"
     assert extract_answer("<answer>1</answer> then <answer>2</answer>") == "2"
     assert extract_answer("<answer>85") is None
+
+
+def test_carry_columns():
+    assert Problem(37, "+", 48).carry_columns() == [1]  # 7+8=15 3+4+1=8
+    assert Problem(52, "-", 17).carry_columns() == [1]  # 12-7=5 5-1-1=3
+    assert Problem(100, "-", 1).carry_columns() == [1, 2]
+    assert Problem(47, "*", 6).carry_columns() == [1]  # 7*6=42 4*6+4=28
+    assert Problem(21, "*", 3).carry_columns() == []
+    assert Problem(12, "+", 3).carry_columns() == []
+
+
+def test_sloppy_teacher_drops_the_first_carry_in_its_share_of_solutions(datasets):
+    _, rows = datasets
+    with_carry = dropped = 0
+    for r in rows["sft_noisy"]:
+        p = Problem(*task.parse(r["prompt"]))
+        if not p.carry_columns():
+            assert r["completion"] == p.completion(), r
+            continue
+        with_carry += 1
+        if r["completion"] != p.completion():
+            dropped += 1
+            # 37+48: "7+8=15 3+4=7" -> 75: the carry into the first carry column is gone, the rest follows.
+            steps, answer = work(p.a, p.op, p.b, (p.carry_columns()[0], "carry"))
+            assert r["completion"] == render(steps, answer), r
+            assert not verify(r["prompt"], answer)
+    assert with_carry > 2000
+    assert abs(dropped / with_carry - task.NOISE) < 0.03
+    assert work(37, "+", 48, (1, "carry")) == (["7+8=15", "3+4=7"], "75")

@@ -19,7 +19,7 @@ from alignflow.core.task import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
 from alignflow.flows.pipeline import load_pipeline, run_pipeline
-from alignflow.flows.reproduce import compare_metrics
+from alignflow.flows.reproduce import compare_metrics, recorded_data_version
 from alignflow.flows.tracking import tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,6 +75,25 @@ def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkey
     recorded = parent.data.metrics
     assert {"sft.train/loss", "sft.eval/loss", "sft.eval/accuracy", "sft.steps"} <= set(recorded)
     assert not math.isnan(recorded["sft.train/loss"])
+
+
+def test_the_recorded_data_version_is_checked_out_for_the_rerun_then_put_back(tmp_path):
+    dvc(tmp_path, "init", "--no-scm")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "rows.jsonl").write_text('{"v": 1}\n')
+    dvc(tmp_path, "add", "data")
+    recorded = (tmp_path / "data.dvc").read_text()
+    (tmp_path / "data" / "rows.jsonl").write_text('{"v": 2}\n')
+    dvc(tmp_path, "add", "data")
+    current = (tmp_path / "data.dvc").read_text()
+    assert current != recorded
+    with recorded_data_version(recorded, tmp_path) as changed:
+        assert changed
+        assert (tmp_path / "data" / "rows.jsonl").read_text() == '{"v": 1}\n'
+    assert (tmp_path / "data.dvc").read_text() == current
+    assert (tmp_path / "data" / "rows.jsonl").read_text() == '{"v": 2}\n'
+    with recorded_data_version(current, tmp_path) as changed:  # already there: nothing to do
+        assert not changed
 
 
 def test_metric_comparison_matches_mlflow_keys_and_nan():

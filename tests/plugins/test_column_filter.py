@@ -19,6 +19,19 @@ def test_equals_in_and_invert():
     assert ids({"column": "level", "in": [1, 3], "invert": True}) == [1, 3]
 
 
+def test_matches_is_a_full_regex_match_on_strings():
+    rows = [{"prompt": "12+3="}, {"prompt": "123*4="}, {"prompt": "12*4="}]
+    f = ColumnFilter(ColumnFilter.Config.model_validate({"column": "prompt", "matches": r"\d{3}\*\d=", "invert": True}))
+    assert [r["prompt"] for r in f(rows, random.Random(0))] == ["12+3=", "12*4="]
+    # fullmatch: "2*4=" is inside "12*4=" but does not match it whole.
+    g = ColumnFilter(ColumnFilter.Config.model_validate({"column": "prompt", "matches": r"\d\*4="}))
+    assert g(rows, random.Random(0)) == []
+    with pytest.raises(DataError, match="row 1: level: 'matches' needs a string, got int"):
+        ColumnFilter(ColumnFilter.Config.model_validate({"column": "level", "matches": "1"}))(ROWS, random.Random(0))
+    with pytest.raises(ValidationError, match="not a valid regex"):
+        ColumnFilter.Config.model_validate({"column": "prompt", "matches": "("})
+
+
 def test_exactly_one_condition():
     with pytest.raises(ValidationError, match="exactly one"):
         ColumnFilter.Config.model_validate({"column": "level"})
