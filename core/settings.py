@@ -82,6 +82,7 @@ class SampleSettings(PluginConfig):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair
     output: Literal["sft", "pairs"] = "sft"
+    pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
 
 
 class EvaluateSettings(SampleSettings):

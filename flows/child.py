@@ -6,7 +6,8 @@ pipeline runs the first training stage in its own process and any stage that wou
 it in a fresh child (`spawn`: no inherited locks or threads). The child rebuilds the stage context
 from plain data, sends its step metrics back as they come (the parent logs them to MLflow) and
 ends with the result or the error. A stage gives the same result in either place: same seed, same
-code, same torch thread count.
+code, and the same share of torch threads (flows/execute.py gives both the same). A child stops
+when the pipeline's process dies, so no orphan keeps writing into a stage that a rerun resumes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -79,21 +82,30 @@ def can_run_in_child(plugins) -> bool:
     return not launched and plugin_recipe(plugins) is not None
 
 
-def _payload(kind: str, ctx: StageContext) -> dict:
-    import torch
-
+def _payload(kind: str, ctx: StageContext, threads: int) -> dict:
     return {
         "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
         "settings": ctx.settings.model_dump(mode="json", by_alias=True),
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
-        "plugins": plugin_recipe(ctx.plugins), "threads": torch.get_num_threads(),
+        "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(),
     }
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A child whose pipeline process died stops too: no orphan writing into a stage a rerun owns."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="alignflow-parent-watch", daemon=True).start()
 
 
 def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
     """The child: rebuild the context, run the runner, report metrics and the result or the error."""
     try:
+        _exit_with_parent(payload["parent"])
         if os.environ.pop(OWN_GROUP_MARK, None):  # the parent's one-process group is not ours
             for var in _OWN_GROUP_VARS:
                 os.environ.pop(var, None)
@@ -131,11 +143,12 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
         out.put(("error", exc, traceback.format_exc()))
 
 
-def run_in_child(kind: str, ctx: StageContext) -> StageResult:
-    """Run `RUNNERS[kind](ctx)` in a spawned child; metrics reach `ctx.log_metrics` as they come."""
+def run_in_child(kind: str, ctx: StageContext, threads: int) -> StageResult:
+    """Run `RUNNERS[kind](ctx)` in a spawned child with `threads` torch threads; metrics reach
+    `ctx.log_metrics` as they come."""
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
-    child = mp.Process(target=_child_main, args=(_payload(kind, ctx), out), name=f"alignflow-{ctx.name}")
+    child = mp.Process(target=_child_main, args=(_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")
     child.start()
     try:
         while True:

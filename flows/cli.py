@@ -57,9 +57,12 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
+    from alignflow.flows.execute import PARALLEL_ENV
     from alignflow.flows.pipeline import run_pipeline
     from alignflow.flows.report import write_curves, write_metrics
 
+    if args.parallel is not None:
+        os.environ[PARALLEL_ENV] = str(args.parallel)
     report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
     report.render(err_console if args.json else console)
     if args.metrics:
@@ -129,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifacts", type=Path, help="artifacts root (default: ./artifacts)")
     p.add_argument("--metrics", type=Path, help="write final metrics JSON here (for dvc metrics)")
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
+    p.add_argument("--parallel", type=int, metavar="N", help="training stages that may run at once, each on "
+                   "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("data", help=cmd_data.__doc__)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.core.settings import settings_model
@@ -39,24 +42,66 @@ class StageOutcome:
 # of them at a time runs in this process, and a sibling that starts meanwhile runs in a child
 # process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
 THREAD_SAFE_KINDS = frozenset({"select"})
+PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
 _exclusive = threading.Lock()
+_slots: dict[int, threading.Semaphore] = {}
+_slots_lock = threading.Lock()
+
+
+def parallel_stages() -> int:
+    """How many training stages may run at once: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 CPU
+    cores (each one uses every core it is given: two on a 2-core box run slower than one after
+    the other)."""
+    value = os.environ.get(PARALLEL_ENV)
+    if value is None:
+        return max(1, (os.cpu_count() or 1) // 8)
+    if not value.isdigit() or int(value) < 1:
+        raise SpecError(f"{PARALLEL_ENV}={value!r}: expected a whole number of stages, at least 1")
+    return int(value)
+
+
+def _slot(n: int) -> threading.Semaphore:
+    with _slots_lock:
+        return _slots.setdefault(n, threading.Semaphore(n))
 
 
 def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResult:
-    """`RUNNERS[kind](ctx)` here when this process is free for it, else in a child process; appends
-    the time the runner started (after any wait for this process) to `started`."""
+    """`RUNNERS[kind](ctx)` once one of `parallel_stages()` slots is free: here when this process is
+    free for it, else in a child process. Either way the stage gets the same share of this process's
+    torch threads, so where it ran never changes its numbers. Appends the time the runner started
+    (after any wait) to `started`."""
     if kind in THREAD_SAFE_KINDS:
         started.append(time.time())
         return RUNNERS[kind](ctx)
-    if not _exclusive.acquire(blocking=False):
+    n = parallel_stages()
+    with _slot(n):
+        if _exclusive.acquire(blocking=False):
+            return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):
             started.append(time.time())
-            return run_in_child(kind, ctx)
+            return run_in_child(kind, ctx, threads=_share(_user_threads or torch.get_num_threads(), n))
         _exclusive.acquire()
+        return _run_here(kind, ctx, n, started)
+
+
+_user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
+
+
+def _share(threads: int, n: int) -> int:
+    return max(1, threads // n)
+
+
+def _run_here(kind: str, ctx: StageContext, n: int, started: list[float]) -> StageResult:
+    """Run in this process on its share of the threads; `_exclusive` is held and released here."""
+    global _user_threads
+    user = _user_threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(_share(user, n))
         started.append(time.time())
         return RUNNERS[kind](ctx)
     finally:
+        torch.set_num_threads(user)
+        _user_threads = None
         _exclusive.release()
 
 

@@ -1,9 +1,11 @@
 """The `rejection_sampling` stage: sample `n` completions per prompt, score them, keep what passes.
 
 `output: sft` writes the best-scoring completion of each prompt when it is correct (R1's rejection
-sampling SFT data); `output: pairs` writes a (correct, incorrect) pair for each prompt that has both
-(preference data sampled from the policy). Best means the highest total reward, first on ties,
-so with one 0/1 verifier the first correct and the first incorrect sample are kept. Seeded: the same
+sampling SFT data); `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
+(preference data sampled from the policy): the best correct completion against the best incorrect
+one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first. Best means
+the highest total reward, first on ties, so with one 0/1 verifier the first correct and the first
+incorrect samples are kept. Seeded: the same
 model, prompts and seed write the same rows.
 """
 
@@ -31,7 +33,17 @@ def by_prompt(scored: Scored) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-def select_rows(scored: Scored, output: str) -> list[dict]:
+def distinct_best(candidates: list[int], texts: list[str], total: list[float], k: int) -> list[int]:
+    """Up to `k` candidates with distinct texts, highest total first (the first of equals)."""
+    seen, out = set(), []
+    for j in sorted(candidates, key=lambda j: (-total[j], j)):
+        if texts[j] not in seen and len(out) < k:
+            seen.add(texts[j])
+            out.append(j)
+    return out
+
+
+def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[dict]:
     """The dataset rows to write: the prompt's other columns kept, plus the kept completions' rewards."""
     texts, total = scored.generation.texts, scored.rewards.total
     out = []
@@ -41,9 +53,10 @@ def select_rows(scored: Scored, output: str) -> list[dict]:
             if top in correct:  # the best sample must itself be correct, not merely some sample
                 out.append({**row, "completion": texts[top], "reward": total[top]})
         elif correct and incorrect:
-            win, lose = best(correct, total), best(incorrect, total)
-            out.append({**row, "chosen": texts[win], "rejected": texts[lose],
-                        "chosen_reward": total[win], "rejected_reward": total[lose]})
+            win = best(correct, total)
+            for lose in distinct_best(incorrect, texts, total, pairs_per_prompt):
+                out.append({**row, "chosen": texts[win], "rejected": texts[lose],
+                            "chosen_reward": total[win], "rejected_reward": total[lose]})
     return out
 
 
@@ -58,7 +71,7 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx))
 
-    kept = select_rows(scored, s.output)
+    kept = select_rows(scored, s.output, s.pairs_per_prompt)
     out = ctx.work_dir / "data.jsonl"
     write_jsonl(kept, out)
     groups = by_prompt(scored)

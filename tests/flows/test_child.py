@@ -1,8 +1,12 @@
 """Stages in a child process: results, metrics and errors come back; plugins are rebuilt or refused."""
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.child import ChildFailed, plugin_recipe, run_in_child
+from alignflow.flows.execute import PARALLEL_ENV, parallel_stages
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.sft import run_sft
 
@@ -53,7 +58,7 @@ def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
     here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4)
     here = run_sft(here_ctx)
     child_ctx, child_logged = context(tmp_path / "child", data, max_steps=4)
-    child = run_in_child("sft", child_ctx)
+    child = run_in_child("sft", child_ctx, threads=1)
     assert child.metrics == here.metrics and child.headline == here.headline
     assert child_logged == here_logged and {2, 4} <= {s for s, _ in child_logged}
     a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, child))
@@ -63,14 +68,14 @@ def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
 def test_a_child_raises_what_the_runner_raised(tmp_path, data):
     ctx, _ = context(tmp_path, data, model="builtin:nope", max_steps=2)
     with pytest.raises(SpecError, match="unknown built-in model 'nope'") as info:
-        run_in_child("sft", ctx)
+        run_in_child("sft", ctx, threads=1)
     assert any("in the stage's process" in note for note in info.value.__notes__)
 
 
 def test_a_killed_child_is_a_clear_failure(tmp_path, data):
     ctx, _ = context(tmp_path, data, max_steps=100_000)
     outcome = {}
-    thread = threading.Thread(target=lambda: outcome.setdefault("error", _raises(run_in_child, "sft", ctx)))
+    thread = threading.Thread(target=lambda: outcome.setdefault("error", _raises(run_in_child, "sft", ctx, 1)))
     thread.start()
     deadline = time.monotonic() + 120
     while not (children := [c for c in multiprocessing.active_children() if c.name == "alignflow-sft"]):
@@ -81,6 +86,52 @@ def test_a_killed_child_is_a_clear_failure(tmp_path, data):
     thread.join(60)
     assert isinstance(outcome["error"], ChildFailed)
     assert "exited with code -9 without a result" in str(outcome["error"])
+
+
+ORPHAN = """
+import os, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import test_child
+from alignflow.flows.child import run_in_child
+import multiprocessing
+ctx, _ = test_child.context(Path({root!r}), Path({data!r}), max_steps=100_000)
+threading.Thread(target=run_in_child, args=("sft", ctx, 1), daemon=True).start()
+while not multiprocessing.active_children():
+    time.sleep(0.05)
+print(multiprocessing.active_children()[0].pid, flush=True)
+time.sleep(1.0)
+os._exit(0)  # the pipeline process dies without cleaning up
+"""
+
+
+def test_a_child_stops_when_the_pipeline_process_dies(tmp_path, data):
+    script = ORPHAN.format(tests=str(Path(__file__).parent), root=str(tmp_path), data=str(data))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"child {pid} outlived its parent"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0  # a zombie is gone
+
+
+def test_parallel_stages_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(PARALLEL_ENV, "3")
+    assert parallel_stages() == 3
+    monkeypatch.setenv(PARALLEL_ENV, "0")
+    with pytest.raises(SpecError, match="ALIGNFLOW_PARALLEL_STAGES='0': expected a whole number"):
+        parallel_stages()
+    monkeypatch.delenv(PARALLEL_ENV)
+    assert parallel_stages() == max(1, (os.cpu_count() or 1) // 8)
 
 
 def _raises(fn, *args):

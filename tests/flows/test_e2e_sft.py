@@ -90,6 +90,14 @@ def project(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module", autouse=True)
+def two_at_once():
+    """Two training stages at once, as `alignflow run --parallel 2` allows."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ALIGNFLOW_PARALLEL_STAGES", "2")
+        yield
+
+
 @pytest.fixture(scope="module")
 def first(project):
     report = run_pipeline(project / "pipeline.yaml", [], project)

@@ -47,6 +47,16 @@ def test_pairs_are_the_best_correct_against_the_best_incorrect():
         ("p0", "c", "b"), ("p2", "g", "h"), ("p3", "k", "j")]
 
 
+def test_more_pairs_per_prompt_take_distinct_incorrect_texts_best_first():
+    case = handmade([["a", "x", "y", "x", "z"]], [[1.0, 0.0, 0.5, 0.9, 0.0]], [[True, False, False, False, False]])
+    pairs = lambda k: [(r["chosen"], r["rejected"]) for r in select_rows(case, "pairs", k)]  # noqa: E731
+    # incorrect by reward: x (0.9, the second x), y (0.5), x (0.0, a repeat), z (0.0)
+    assert pairs(1) == [("a", "x")]
+    assert pairs(2) == [("a", "x"), ("a", "y")]
+    assert pairs(5) == [("a", "x"), ("a", "y"), ("a", "z")]
+    assert select_rows(case, "pairs", 5)[0]["rejected_reward"] == 0.9
+
+
 def even_start(prompts, completions, **_):
     """1 when a completion starts with a character of even code: a coin flip the test can recount."""
     return [float(even(c)) for c in completions]
