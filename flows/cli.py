@@ -55,6 +55,12 @@ def cmd_validate(args) -> int:
     return 0
 
 
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of stages, at least 1, got {text!r}")
+    return int(text)
+
+
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
     from alignflow.flows.execute import PARALLEL_ENV
@@ -132,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifacts", type=Path, help="artifacts root (default: ./artifacts)")
     p.add_argument("--metrics", type=Path, help="write final metrics JSON here (for dvc metrics)")
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
-    p.add_argument("--parallel", type=int, metavar="N", help="training stages that may run at once, each on "
+    p.add_argument("--parallel", type=_at_least_one, metavar="N", help="training stages that may run at once, each on "
                    "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
     p.set_defaults(func=cmd_run)
 
