@@ -12,7 +12,9 @@ prompt + max_new_tokens instead of its own longest sequence). Ratios are baselin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import statistics
 import tempfile
 from contextlib import contextmanager
@@ -79,6 +81,12 @@ def main() -> None:
     parser.add_argument("--algorithm", default="grpo")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    with contextlib.redirect_stdout(sys.stderr):  # library chatter (DeepSpeed's op builder) off stdout
+        out = measure(args)
+    print(json.dumps(out, indent=2))
+
+
+def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ctx = context(args, Path(tmp))
         (Path(tmp) / "work").mkdir()
@@ -100,7 +108,7 @@ def main() -> None:
         t = out[name]["time_s"]
         out[name]["ratio"] = {"step": t["step"] / lean["step"],
                               "prepare+train": (t["prepare"] + t["train"]) / (lean["prepare"] + lean["train"])}
-    print(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":
