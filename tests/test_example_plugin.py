@@ -45,7 +45,7 @@ def test_plugins_lists_the_example_with_its_distribution(site):
     out = run(["plugins", "--json"], site)
     assert out.returncode == 0, out.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
-    for key in [("algorithm", "hinge"), ("reward", "answer_digits")]:
+    for key in [("algorithm", "hinge"), ("algorithm", "reinforce"), ("reward", "answer_digits")]:
         assert rows[key]["distribution"] == "alignflow-plugin-example"
         assert rows[key]["version"] == "0.1.0"
         assert rows[key]["description"]

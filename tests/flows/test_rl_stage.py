@@ -2,6 +2,9 @@
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 from alignflow.core import hookimpl
 from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
+from alignflow.core.rl import Rollout
 from alignflow.core.settings import RLSettings
 from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext
@@ -88,6 +92,36 @@ def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, na
     before, after = weights(tiny), weights(result.outputs["model"])
     assert before.keys() == after.keys()  # no algorithm parameter leaks into the checkpoint
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
+
+
+def test_a_third_party_rl_algorithm_is_one_file_and_runs_through_the_stage(tmp_path, plugins, tiny, monkeypatch):
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(EXAMPLE)], check=True)
+    monkeypatch.syspath_prepend(str(site))
+    import alignflow_plugin_example.plugin as example
+    from alignflow_plugin_example.reinforce import Reinforce
+
+    plugins.add(example, "example")
+    try:
+        # rewards [1, 0, 0, 1, 1, 1]: the batch mean is 2/3, so A = R - 2/3 on every token of a response
+        rollout = Rollout(rewards=torch.tensor([1.0, 0, 0, 1, 1, 1]), group=torch.tensor([0, 0, 0, 0, 1, 1]),
+                          response_mask=torch.ones(6, 2), old_logprobs=torch.zeros(6, 2), max_new_tokens=2)
+        advantages, returns = Reinforce().advantages(rollout)
+        assert returns is None
+        assert torch.allclose(advantages[:, 0], torch.tensor([1, -2, -2, 1, 1, 1]) / 3)
+        log = []
+        ctx = make_ctx(tmp_path, plugins, tiny, "reinforce", write_rows(tmp_path / "rl.jsonl", ["x"] * 4), log)
+        result = run_rl(ctx)
+        assert result.metrics["steps"] == 2 and KEYS <= set(log[0][1])
+        assert "actor/kl_ref_k3" not in log[0][1]  # no reference model: none was loaded
+        before, after = weights(tiny), weights(result.outputs["model"])
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    finally:
+        plugins.remove("example")
 
 
 def test_grpo_learns_an_easy_reward(tmp_path, plugins, tiny):

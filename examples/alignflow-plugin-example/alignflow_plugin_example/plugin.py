@@ -1,10 +1,11 @@
-"""Registers the example algorithm and reward with alignflow."""
+"""Registers the example algorithms (a preference loss and an RL algorithm) and reward with alignflow."""
 
 import re
 
 from alignflow.core import hookimpl
 
 from alignflow_plugin_example.hinge import Hinge
+from alignflow_plugin_example.reinforce import Reinforce
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
@@ -27,6 +28,7 @@ def answer_digits(prompts, completions, answer, **columns):
 @hookimpl
 def register_algorithms(register):
     register("hinge", Hinge)
+    register("reinforce", Reinforce)
 
 
 @hookimpl
