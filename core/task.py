@@ -118,11 +118,6 @@ def work(a: int, op: str, b: int, fault: tuple[int, str] | None = None) -> tuple
     return steps, str(int("".join(reversed(written))))
 
 
-def _has_carry(a: int, op: str, b: int) -> bool:
-    """Whether some column takes a carry or borrow (it then has a third term, as in 3+4+1)."""
-    return any(step.count(op) == 2 for step in work(a, op, b)[0])
-
-
 def generate(level: int, rng: random.Random) -> Problem:
     """A random problem of the given difficulty level (see LEVELS)."""
     if level in (3, 4):
@@ -135,7 +130,7 @@ def generate(level: int, rng: random.Random) -> Problem:
         a, b, op = rng.randrange(lo, hi), rng.randrange(lo, hi), rng.choice("+-")
         if op == "-" and a < b:
             a, b = b, a
-        if level == 1 or _has_carry(a, op, b):
+        if level == 1 or Problem(a, op, b).carry_columns():
             return Problem(a, op, b, level)
 
 

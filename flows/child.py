@@ -13,7 +13,6 @@ when the pipeline's process dies, so no orphan keeps writing into a stage that a
 from __future__ import annotations
 
 import importlib
-import logging
 import multiprocessing
 import os
 import pickle
@@ -109,11 +108,9 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
         if os.environ.pop(OWN_GROUP_MARK, None):  # the parent's one-process group is not ours
             for var in _OWN_GROUP_VARS:
                 os.environ.pop(var, None)
-        logger = logging.getLogger("alignflow")
-        if not logger.handlers:  # the parent's progress lines, in the same format
-            from alignflow.flows.cli import configure_logging
+        from alignflow.flows.cli import configure_logging
 
-            configure_logging()
+        configure_logging()  # the parent's progress lines, in the same format
         import torch
 
         from alignflow.core.plugins import get_plugins

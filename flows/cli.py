@@ -55,10 +55,13 @@ def cmd_validate(args) -> int:
     return 0
 
 
-def _at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of stages, at least 1, got {text!r}")
-    return int(text)
+def _stage_count(text: str) -> int:
+    from alignflow.flows.execute import stage_count
+
+    try:
+        return stage_count(text, "--parallel")
+    except AlignflowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_run(args) -> int:
@@ -138,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifacts", type=Path, help="artifacts root (default: ./artifacts)")
     p.add_argument("--metrics", type=Path, help="write final metrics JSON here (for dvc metrics)")
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
-    p.add_argument("--parallel", type=_at_least_one, metavar="N", help="training stages that may run at once, each on "
+    p.add_argument("--parallel", type=_stage_count, metavar="N", help="training stages that may run at once, each on "
                    "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
     p.set_defaults(func=cmd_run)
 

@@ -55,9 +55,14 @@ def parallel_stages() -> int:
     value = os.environ.get(PARALLEL_ENV)
     if value is None:
         return max(1, (os.cpu_count() or 1) // 8)
-    if not value.isdigit() or int(value) < 1:
-        raise SpecError(f"{PARALLEL_ENV}={value!r}: expected a whole number of stages, at least 1")
-    return int(value)
+    return stage_count(value, PARALLEL_ENV)
+
+
+def stage_count(text: str, where: str) -> int:
+    """A number of stages, at least 1, from `text`; else a SpecError naming `where`."""
+    if not text.isdigit() or int(text) < 1:
+        raise SpecError(f"{where}={text!r}: expected a whole number of stages, at least 1")
+    return int(text)
 
 
 def _slot(n: int) -> threading.Semaphore:
