@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +42,67 @@ def hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_path(path: Path) -> str:
+class HashCache:
+    """Content hashes of files keyed by (path, size, mtime_ns, inode), as git's index and DVC's state db
+    keep them: an unchanged multi-GB checkpoint is not re-read on every run. A file modified within the
+    last `RACY_SECONDS` is hashed but not remembered (it could change again within the same mtime tick).
+    A cache that cannot be opened or written is skipped: hashing is then just slower."""
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, db: Path | None):
+        self.db: Path | None = db
+        self._conn = None
+
+    def _connect(self):
+        if self._conn is None and self.db is not None:
+            try:
+                self.db.parent.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(self.db, timeout=30)
+                conn.execute("CREATE TABLE IF NOT EXISTS hashes (path TEXT PRIMARY KEY, size INTEGER, "
+                             "mtime_ns INTEGER, inode INTEGER, sha256 TEXT)")
+                self._conn = conn
+            except (OSError, sqlite3.Error):
+                self.db = None  # read-only or broken location: hash without remembering
+        return self._conn
+
+    def file(self, path: Path) -> str:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        conn = self._connect()
+        if conn is not None:
+            try:
+                row = conn.execute("SELECT sha256 FROM hashes WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
+                                   key).fetchone()
+            except sqlite3.Error:
+                row = None
+            if row:
+                return row[0]
+        digest = hash_file(path)
+        if conn is not None and time.time() - st.st_mtime_ns / 1e9 > self.RACY_SECONDS:
+            try:
+                with conn:
+                    conn.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
+            except sqlite3.Error:
+                pass
+        return digest
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+NO_CACHE = HashCache(None)
+
+
+def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
     """Content hash of a file, or of a folder's relative paths and file contents."""
     if path.is_file():
-        return hash_file(path)
+        return cache.file(path)
     h = hashlib.sha256()
     for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(f"{p.relative_to(path).as_posix()}\0{hash_file(p)}\n".encode())
+        h.update(f"{p.relative_to(path).as_posix()}\0{cache.file(p)}\n".encode())
     return h.hexdigest()
 
 
@@ -111,8 +167,13 @@ def resolve_input(value: str, project: Path) -> Path | str:
     return value
 
 
-def input_digest(value: Path | str) -> str:
-    return f"file:{hash_path(value)}" if isinstance(value, Path) else f"hub:{value}"
+def input_digest(value: Path | str, cache: HashCache = NO_CACHE) -> str:
+    return f"file:{hash_path(value, cache)}" if isinstance(value, Path) else f"hub:{value}"
+
+
+def project_hash_cache(project: Path) -> HashCache:
+    """The project's file-hash cache, `.alignflow/hashes.sqlite` (git-ignored)."""
+    return HashCache(project / ".alignflow" / "hashes.sqlite")
 
 
 def stage_digest(parts: dict) -> str:

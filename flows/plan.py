@@ -40,6 +40,15 @@ def runner_version(kind: str) -> dict:
 def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, StagePlan]:
     """Plans in dependency order; a stage's digest folds in its upstream stages' digests."""
     data_version = dg.data_version(project)
+    cache = dg.project_hash_cache(project)
+    try:
+        return _plan(spec, project, plugins, data_version, cache)
+    finally:
+        cache.close()
+
+
+def _plan(spec: PipelineSpec, project: Path, plugins, data_version: str | None,
+          cache: dg.HashCache) -> dict[str, StagePlan]:
     plans: dict[str, StagePlan] = {}
     for name in spec.order():
         stage = spec.stages[name]
@@ -52,7 +61,7 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, Stage
                 input_digests[field] = f"stage:{plans[upstream[field]].digest}"
             else:
                 inputs[field] = dg.resolve_input(value, project)
-                input_digests[field] = dg.input_digest(inputs[field])
+                input_digests[field] = dg.input_digest(inputs[field], cache)
         config = dg.stage_config(name, stage, plugins)
         seed = config["settings"].get("seed")
         seed = spec.seed if seed is None else seed

@@ -1,3 +1,7 @@
+import os
+import sqlite3
+import time
+
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec import parse_spec
 from alignflow.flows.overrides import apply_overrides
@@ -37,3 +41,58 @@ def test_input_content_and_data_version_enter_the_digest(tmp_path, make_project)
     assert changed(base, grown) == {"a", "b", "c", "d"}
     (project / "data.dvc").write_text("outs:\n- md5: 0123abcd.dir\n  path: data\n")
     assert changed(grown, digests(project)) == {"a", "b", "c", "d"}
+
+
+def test_hash_cache_skips_unchanged_files_and_rereads_changed_ones(tmp_path, monkeypatch):
+    from alignflow.flows import digest as dg
+
+    folder = tmp_path / "ckpt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.bin").write_bytes(b"a" * 1000)
+    (folder / "sub" / "b.bin").write_bytes(b"b" * 10)
+    old = time.time() - 60  # older than the racy window: remembered
+    for p in (folder / "a.bin", folder / "sub" / "b.bin"):
+        os.utime(p, (old, old))
+    plain = dg.hash_path(folder)
+    reads = []
+    real = dg.hash_file
+    monkeypatch.setattr(dg, "hash_file", lambda p: reads.append(p.name) or real(p))
+    cache = dg.HashCache(tmp_path / "state" / "hashes.sqlite")
+    assert dg.hash_path(folder, cache) == plain and sorted(reads) == ["a.bin", "b.bin"]
+    cache.close()
+    reads.clear()
+    cache = dg.HashCache(tmp_path / "state" / "hashes.sqlite")  # a later run: a new connection
+    assert dg.hash_path(folder, cache) == plain and reads == []
+    # Same size, new content and mtime: re-read, and the folder's hash changes.
+    (folder / "a.bin").write_bytes(b"c" * 1000)
+    os.utime(folder / "a.bin", (old + 1, old + 1))
+    changed = dg.hash_path(folder, cache)
+    assert reads == ["a.bin"] and changed != plain and changed == dg.hash_path(folder)
+    # A file modified just now is hashed every time (it could change again within the same mtime tick).
+    (folder / "sub" / "b.bin").write_bytes(b"d" * 10)
+    reads.clear()
+    dg.hash_path(folder, cache), dg.hash_path(folder, cache)
+    assert reads.count("b.bin") == 2
+
+
+def test_hash_cache_in_an_unwritable_place_only_costs_speed(tmp_path):
+    from alignflow.flows import digest as dg
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "1+1"}\n')
+    cache = dg.HashCache(blocker / "hashes.sqlite")
+    assert dg.hash_path(f, cache) == dg.hash_file(f)
+
+
+def test_planning_remembers_input_hashes_in_the_project(tmp_path, make_project):
+    project = make_project(tmp_path)
+    old = time.time() - 60
+    os.utime(project / "in.jsonl", (old, old))
+    first = digests(project)
+    db = project / ".alignflow" / "hashes.sqlite"
+    with sqlite3.connect(db) as conn:
+        paths = [r[0] for r in conn.execute("SELECT path FROM hashes")]
+    assert str((project / "in.jsonl").resolve()) in paths
+    assert digests(project) == first
