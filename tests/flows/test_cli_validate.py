@@ -100,3 +100,20 @@ def test_progress_lines_reach_stderr_off_a_terminal(capfd):
         bar.update(loss=1.25)
     err = capfd.readouterr().err
     assert "alignflow.progress" in err and "demo 2/2" in err and "loss=1.25" in err
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "pipelines").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_pipeline_validates_with_its_settings_and_plugin_configs(path):
+    from alignflow.core.plugins import get_plugins
+    from alignflow.core.spec import load_spec
+    from alignflow.flows.digest import stage_config
+
+    spec = load_spec(path)
+    plugins = get_plugins()
+    for name in spec.order():
+        config = stage_config(name, spec.stages[name], plugins)
+        assert config["kind"] == spec.stages[name].kind
+    assert "r1-tiny.yaml" in {p.name for p in SHIPPED}
