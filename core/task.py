@@ -186,12 +186,16 @@ def draw(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()) -> l
     """`n` problems with distinct prompts, none in `exclude`, mixed by LEVEL_WEIGHTS, shuffled."""
     seen, out = set(exclude), []
     for level, k in _level_counts(n).items():
+        misses = 0
         while k:
             p = generate(level, rng)
             if p.prompt not in seen:
                 seen.add(p.prompt)
                 out.append(p)
-                k -= 1
+                k, misses = k - 1, 0
+            elif (misses := misses + 1) > 100_000:
+                raise ValueError(f"level {level}: cannot draw {k} more distinct problems ({len(out)} drawn "
+                                 "so far); level 3 has only 720 in all")
     rng.shuffle(out)
     return out
 

@@ -61,6 +61,12 @@ def test_sizes_and_level_mix(datasets):
         assert len({r["prompt"] for r in rows[name]}) == len(rows[name])
 
 
+def test_draw_names_the_level_it_cannot_fill():
+    # 6000 problems at the usual mix want 900 of level 3, which has 720: an error, not an endless loop.
+    with pytest.raises(ValueError, match="level 3: cannot draw 180 more"):
+        task.draw(6000, random.Random(0))
+
+
 def test_test_prompts_are_held_out(datasets):
     _, rows = datasets
     test = {r["prompt"] for r in rows["test"]}
