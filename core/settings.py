@@ -75,17 +75,22 @@ class SelectSettings(PluginConfig):
     seed: int | None = None
 
 
-class SampleSettings(PluginConfig):
+class SamplingSettings(PluginConfig):
+    """What every stage that samples without training takes."""
+
     seed: int | None = None
     model: ModelOptions = Field(default_factory=ModelOptions)
     n: int = Field(4, ge=1)  # completions per prompt
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
+
+
+class SampleSettings(SamplingSettings):
     # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair
     output: Literal["sft", "pairs"] = "sft"
     pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
 
 
-class EvaluateSettings(SampleSettings):
+class EvaluateSettings(SamplingSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
     n: int = Field(1, ge=1)
     generation: GenerationSettings = Field(default_factory=greedy)

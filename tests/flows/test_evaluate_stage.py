@@ -62,3 +62,11 @@ def test_metrics_match_the_written_samples(tmp_path, plugins):
     level1 = [c for i, c in enumerate(correct) if rows[i]["level"] == 1]
     assert m["accuracy/level_1"] == pytest.approx(sum(level1) / (4 * len(level1)))
     assert result.headline == "accuracy"
+
+
+def test_evaluate_rejects_rejection_sampling_settings():
+    from pydantic import ValidationError
+
+    for field, value in (("output", "pairs"), ("pairs_per_prompt", 4)):
+        with pytest.raises(ValidationError, match=field):
+            EvaluateSettings.model_validate({field: value})
