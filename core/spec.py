@@ -23,7 +23,10 @@ KIND_RULES: dict[str, dict[str, Any]] = {
     "sft": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"},
             "plugins": {"algorithm", "rewards", "sampler"}},
     "reward_model": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
-    "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
+    # Process reward models are part of the design (an algorithm may declare `stage = "prm"`), but no
+    # runner trains them yet: a spec that uses the kind is refused at validation.
+    "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"},
+            "not_built": "process reward model training (Math-Shepherd labels, PRM scoring, best-of-N)"},
     "preference": {"inputs": TRAIN_INPUTS | {"reference"}, "required": {"model", "dataset"},
                    "plugins": {"algorithm", "rewards", "sampler"}},
     "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "critic"},
@@ -146,6 +149,9 @@ def check_graph(spec: PipelineSpec, source: str) -> None:
 def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
     where = f"{source}: stage {name!r}"
     rules = KIND_RULES[stage.kind]
+    if "not_built" in rules:
+        raise SpecError(f"{where}: kind {stage.kind!r} ({rules['not_built']}) is not built in this "
+                        f"version of alignflow")
     for field in stage.inputs:
         if field not in rules["inputs"]:
             raise SpecError(f"{where}, inputs.{field}: not an input of a {stage.kind!r} stage "

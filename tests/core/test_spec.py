@@ -108,6 +108,13 @@ def test_dangling_reference_names_file_stage_and_field(tmp_path, plugins):
     assert str(info.value).startswith(f"{tmp_path / 'pipe.yaml'}: stage 'rl', inputs.model: refers to stage 'prefz'")
 
 
+def test_a_kind_without_a_runner_is_refused_by_name(tmp_path, plugins):
+    text = "name: p\nstages:\n  prm:\n    kind: prm\n    inputs: {model: ./base, dataset: steps.jsonl}\n" \
+           "    algorithm: sft\n"
+    with pytest.raises(SpecError, match=r"stage 'prm': kind 'prm' \(process reward model.*is not built"):
+        load_spec(write(tmp_path, text), plugins)
+
+
 def test_bad_plugin_config_field_names_the_field(tmp_path, plugins):
     text = GOOD.replace("beta: 0.5", "beta: -1")
     with pytest.raises(SpecError) as info:
