@@ -72,8 +72,8 @@ class HashCache:
         conn = self._connect()
         if conn is not None:
             try:
-                row = conn.execute("SELECT sha256 FROM hashes WHERE path=? AND size=? AND mtime_ns=? AND inode=?",
-                                   key).fetchone()
+                row = conn.execute("SELECT sha256 FROM hashes WHERE path=? AND size=? AND mtime_ns=? "
+                                   "AND inode=?", key).fetchone()
             except sqlite3.Error:
                 row = None
             if row:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,34 +41,26 @@ def runner_version(kind: str) -> dict:
 def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, StagePlan]:
     """Plans in dependency order; a stage's digest folds in its upstream stages' digests."""
     data_version = dg.data_version(project)
-    cache = dg.project_hash_cache(project)
-    try:
-        return _plan(spec, project, plugins, data_version, cache)
-    finally:
-        cache.close()
-
-
-def _plan(spec: PipelineSpec, project: Path, plugins, data_version: str | None,
-          cache: dg.HashCache) -> dict[str, StagePlan]:
     plans: dict[str, StagePlan] = {}
-    for name in spec.order():
-        stage = spec.stages[name]
-        upstream = stage.references()
-        inputs: dict[str, Path | str] = {}
-        input_digests: dict[str, str] = {}
-        for field, value in sorted(stage.inputs.items()):
-            if field in upstream:
-                inputs[field] = upstream[field]
-                input_digests[field] = f"stage:{plans[upstream[field]].digest}"
-            else:
-                inputs[field] = dg.resolve_input(value, project)
-                input_digests[field] = dg.input_digest(inputs[field], cache)
-        config = dg.stage_config(name, stage, plugins)
-        seed = config["settings"].get("seed")
-        seed = spec.seed if seed is None else seed
-        versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
-        parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
-                 "data_version": data_version, "seed": seed}
-        plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests, config,
-                                versions, data_version, seed)
+    with closing(dg.project_hash_cache(project)) as cache:
+        for name in spec.order():
+            stage = spec.stages[name]
+            upstream = stage.references()
+            inputs: dict[str, Path | str] = {}
+            input_digests: dict[str, str] = {}
+            for field, value in sorted(stage.inputs.items()):
+                if field in upstream:
+                    inputs[field] = upstream[field]
+                    input_digests[field] = f"stage:{plans[upstream[field]].digest}"
+                else:
+                    inputs[field] = dg.resolve_input(value, project)
+                    input_digests[field] = dg.input_digest(inputs[field], cache)
+            config = dg.stage_config(name, stage, plugins)
+            seed = config["settings"].get("seed")
+            seed = spec.seed if seed is None else seed
+            versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
+            parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
+                     "data_version": data_version, "seed": seed}
+            plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
+                                    config, versions, data_version, seed)
     return plans
