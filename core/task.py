@@ -195,7 +195,7 @@ def draw(n: int, rng: random.Random, exclude: frozenset[str] = frozenset()) -> l
                 k, misses = k - 1, 0
             elif (misses := misses + 1) > 100_000:
                 raise ValueError(f"level {level}: cannot draw {k} more distinct problems ({len(out)} drawn "
-                                 "so far); level 3 has only 720 in all")
+                                 "so far, none new in 100000 tries): ask for fewer")
     rng.shuffle(out)
     return out
 

@@ -20,6 +20,7 @@ import queue as queue_mod
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ class ChildFailed(AlignflowError):
 
 def _import_path(obj: Any) -> str | None:
     """`module` or `module:qualname` that imports back to `obj` itself, or None."""
-    if isinstance(obj, type(os)):
+    if isinstance(obj, types.ModuleType):
         name = obj.__name__
     else:
         name = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"

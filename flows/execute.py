@@ -46,6 +46,7 @@ PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
 _exclusive = threading.Lock()
 _slots: dict[int, threading.Semaphore] = {}
 _slots_lock = threading.Lock()
+_user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
 
 def parallel_stages() -> int:
@@ -87,9 +88,6 @@ def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResu
             return run_in_child(kind, ctx, threads=_share(_user_threads or torch.get_num_threads(), n))
         _exclusive.acquire()
         return _run_here(kind, ctx, n, started)
-
-
-_user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
 
 def _share(threads: int, n: int) -> int:
