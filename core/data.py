@@ -27,7 +27,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "sft_messages": {"messages": "messages"},
     "pairwise": {"prompt": str, "chosen": str, "rejected": str},
     "unpaired": {"prompt": str, "completion": str, "label": bool},
-    "steps": {"prompt": str, "steps": (str,), "step_labels": (int, bool)},
+    # a label per step: 1/true = correct, 0/false = wrong, or a float in [0, 1] (Math-Shepherd's soft label)
+    "steps": {"prompt": str, "steps": (str,), "step_labels": (int, bool, float)},
 }
 
 
@@ -77,6 +78,10 @@ def check_row(row: Any, schema: str) -> str | None:
             return problem
     if schema == "steps" and len(row["steps"]) != len(row["step_labels"]):
         return f"field 'step_labels': {len(row['step_labels'])} labels for {len(row['steps'])} steps"
+    if schema == "steps":
+        bad = next((i for i, v in enumerate(row["step_labels"]) if not 0 <= v <= 1), None)
+        if bad is not None:
+            return f"field 'step_labels': item {bad}: expected a label in [0, 1], got {row['step_labels'][bad]}"
     return None
 
 
@@ -215,16 +220,37 @@ def _pairwise_batch(batch, tokenizer, max_length):
     return out
 
 
+def split_steps(completion: str, separator: str) -> list[str]:
+    """A solution's steps: the text between separators, empty steps dropped."""
+    return [step for step in completion.split(separator) if step.strip()]
+
+
+def step_sequence(prompt_ids: list[int], pieces: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Prompt + step pieces (each step followed by the separator): (ids, index of each step's last token).
+
+    A process reward model reads step i's score at its last token, the separator after it, in training
+    (`_steps_batch`) and scoring (the `prm` reward) alike.
+    """
+    ids, ends = list(prompt_ids), []
+    for piece in pieces:
+        ids += piece
+        ends.append(len(ids) - 1)
+    return ids, ends
+
+
+def step_pieces(tokenizer, steps: list[str], separator: str) -> list[list[int]]:
+    return tokenizer([s + separator for s in steps], add_special_tokens=False).input_ids if steps else []
+
+
 def _steps_batch(batch, tokenizer, max_length, separator):
-    """Steps joined by `separator`; each step's label sits on its last token, the rest is -100."""
+    """Steps each followed by `separator`; a step's label (a float) sits on its last token, the rest is -100."""
     prompts = tokenizer(batch["prompt"]).input_ids
     out = {"input_ids": [], "labels": [], "_status": []}
     for p, steps, step_labels in zip(prompts, batch["steps"], batch["step_labels"]):
-        pieces = tokenizer([s + separator for s in steps], add_special_tokens=False).input_ids
-        ids, labels = list(p), [IGNORE_INDEX] * len(p)
-        for piece, label in zip(pieces, step_labels):
-            ids += piece
-            labels += [IGNORE_INDEX] * (len(piece) - 1) + [int(label)]
+        ids, ends = step_sequence(p, step_pieces(tokenizer, steps, separator))
+        labels = [float(IGNORE_INDEX)] * len(ids)
+        for end, label in zip(ends, step_labels):
+            labels[end] = float(label)
         status = DROPPED if len(p) >= max_length else TRUNCATED if len(ids) > max_length else OK
         out["input_ids"].append(ids[:max_length] if status != DROPPED else [])
         out["labels"].append(labels[:max_length] if status != DROPPED else [])

@@ -1,4 +1,4 @@
-"""The offline training contract (sft, reward_model, preference stages): batches, base classes, batch building.
+"""The offline training contract (sft, reward_model, prm, preference stages): batches, base classes, batch building.
 
 A stage scores sequences and passes one batch dataclass per micro-batch to `algorithm.loss(batch, norm)`,
 which returns `(loss, metrics)`:
@@ -8,7 +8,7 @@ which returns `(loss, metrics)`:
   the loss of one big batch. `norm=None` means the micro-batch is the whole step.
   `norm.num_seqs` counts examples (pairs, labelled completions, or sequences); `norm.num_tokens` counts
   the tokens the algorithm averages over (SFT: completion tokens; an `nll_scope` algorithm: the chosen
-  tokens in that scope); other algorithms ignore it.
+  tokens in that scope; a PRM: labelled steps); other algorithms ignore it.
 * `metrics` are detached scalars, means over this micro-batch, for logging. A metric with no example
   in the micro-batch (KTO's chosen rewards in an all-undesirable batch) is NaN: average with nanmean.
 
@@ -88,6 +88,15 @@ class RewardBatch:
     chosen_scores: Tensor  # [B]
     rejected_scores: Tensor  # [B]
     margin: Tensor | None = None  # [B] from the dataset's `margin` column when it has one
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Process reward model training: a logit and a label at each step's last token, step-major."""
+
+    scores: Tensor  # [B, S] step logits, S = the most steps of a solution in the micro-batch
+    labels: Tensor  # [B, S] in [0, 1]: 1 a correct step, 0 a wrong one, or a soft (Monte Carlo) estimate
+    mask: Tensor  # [B, S] 1 on real steps, 0 on padding
 
 
 class OfflineAlgorithm(Algorithm):

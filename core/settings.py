@@ -71,6 +71,11 @@ class RLSettings(TrainSettings):
     recompute_old_logprobs: bool = False
 
 
+class PRMSettings(TrainSettings):
+    # Steps are joined with (and each followed by) this text; the step's score is read at its end.
+    step_separator: str = Field("\n", min_length=1)
+
+
 class SelectSettings(PluginConfig):
     seed: int | None = None
 
@@ -90,22 +95,34 @@ class SampleSettings(SamplingSettings):
     pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
 
 
+class StepLabelSettings(SamplingSettings):
+    """Math-Shepherd step labels: each step prefix of a sampled solution is completed `rollouts` times."""
+
+    n: int = Field(4, ge=1)  # solutions sampled per prompt; each distinct one is labelled
+    rollouts: int = Field(8, ge=1)  # completions of each step prefix (Math-Shepherd's N)
+    label: Literal["hard", "soft"] = "hard"  # any rollout correct, or the share that is
+    step_separator: str = Field("\n", min_length=1)
+
+
 class EvaluateSettings(SamplingSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
     n: int = Field(1, ge=1)
     generation: GenerationSettings = Field(default_factory=greedy)
     limit: int | None = Field(None, ge=1)  # score only the first `limit` prompts
     group_by: str | None = "level"  # a column to report accuracy per value of, when rows have it
+    # best-of-n: for each reward named here, the accuracy of the completion it scores highest per prompt
+    best_of: list[str] = Field(default_factory=list)
 
 
 SETTINGS: dict[str, type[PluginConfig]] = {
     "select": SelectSettings,
     "sft": TrainSettings,
     "reward_model": TrainSettings,
-    "prm": TrainSettings,
+    "prm": PRMSettings,
     "preference": TrainSettings,
     "rl": RLSettings,
     "rejection_sampling": SampleSettings,
+    "step_labels": StepLabelSettings,
     "evaluate": EvaluateSettings,
 }
 

@@ -23,18 +23,20 @@ KIND_RULES: dict[str, dict[str, Any]] = {
     "sft": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"},
             "plugins": {"algorithm", "rewards", "sampler"}},
     "reward_model": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
-    # Process reward models are part of the design (an algorithm may declare `stage = "prm"`), but no
-    # runner trains them yet: a spec that uses the kind is refused at validation.
-    "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"},
-            "not_built": "process reward model training (Math-Shepherd labels, PRM scoring, best-of-N)"},
+    "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
     "preference": {"inputs": TRAIN_INPUTS | {"reference"}, "required": {"model", "dataset"},
                    "plugins": {"algorithm", "rewards", "sampler"}},
-    "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "critic"},
+    "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "prm", "critic"},
            "required": {"model", "dataset"}, "plugins": {"algorithm", "rewards", "sampler"},
            "needs_rewards": True},
-    "rejection_sampling": {"inputs": {"model", "dataset", "reward_model"}, "required": {"model", "dataset"},
-                           "plugins": {"rewards", "sampler"}, "needs_rewards": True},
-    "evaluate": {"inputs": {"model", "dataset", "reward_model"}, "required": {"model", "dataset"},
+    "rejection_sampling": {"inputs": {"model", "dataset", "reward_model", "prm"},
+                           "required": {"model", "dataset"}, "plugins": {"rewards", "sampler"},
+                           "needs_rewards": True},
+    # Math-Shepherd: `model` samples solutions, `completer` (default: `model`) completes their step
+    # prefixes, the rewards judge the completions.
+    "step_labels": {"inputs": {"model", "dataset", "completer"}, "required": {"model", "dataset"},
+                    "plugins": {"rewards", "sampler"}, "needs_rewards": True},
+    "evaluate": {"inputs": {"model", "dataset", "reward_model", "prm"}, "required": {"model", "dataset"},
                  "plugins": {"rewards", "sampler"}, "needs_rewards": True},
 }
 
@@ -149,9 +151,6 @@ def check_graph(spec: PipelineSpec, source: str) -> None:
 def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
     where = f"{source}: stage {name!r}"
     rules = KIND_RULES[stage.kind]
-    if "not_built" in rules:
-        raise SpecError(f"{where}: kind {stage.kind!r} ({rules['not_built']}) is not built in this "
-                        f"version of alignflow")
     for field in stage.inputs:
         if field not in rules["inputs"]:
             raise SpecError(f"{where}, inputs.{field}: not an input of a {stage.kind!r} stage "

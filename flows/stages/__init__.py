@@ -20,6 +20,8 @@ OUTPUT_OF_INPUT: dict[str, str] = {
     "model": "model",
     "reference": "model",
     "reward_model": "model",
+    "prm": "model",
+    "completer": "model",
     "critic": "model",
     "dataset": "dataset",
     "eval_dataset": "dataset",
@@ -72,12 +74,14 @@ def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.sft import run_sft
     from alignflow.flows.stages.preference import run_preference
     from alignflow.flows.stages.reward_model import run_reward_model
+    from alignflow.flows.stages.prm import run_prm
+    from alignflow.flows.stages.step_labels import run_step_labels
     from alignflow.flows.stages.rejection import run_rejection_sampling
     from alignflow.flows.stages.rl import run_rl
 
     return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate, "preference": run_preference,
-            "reward_model": run_reward_model, "rejection_sampling": run_rejection_sampling,
-            "rl": run_rl}
+            "reward_model": run_reward_model, "prm": run_prm, "rejection_sampling": run_rejection_sampling,
+            "step_labels": run_step_labels, "rl": run_rl}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

@@ -1,4 +1,9 @@
-"""The `evaluate` stage: sample n completions per prompt, score them, report accuracy and pass@k."""
+"""The `evaluate` stage: sample n completions per prompt, score them, report accuracy, pass@k, best-of-n.
+
+Best-of-n (`best_of: [reward, ...]`): per prompt, the completion a reward (a reward model, a PRM)
+scores highest is kept, and the share of kept completions that are correct is reported. Against it:
+`accuracy` (a random pick) and `pass_at_n` (an oracle pick).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import json
 from collections import defaultdict
 
 from alignflow.core.data import load_rows
+from alignflow.core.errors import SpecError
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
@@ -19,6 +25,16 @@ def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
         hits[value] += ok
         totals[value] += 1
     return {f"accuracy/{column}_{v}": hits[v] / totals[v] for v in sorted(totals, key=str)}
+
+
+def best_of_n(scored: Scored, reward: str) -> float:
+    """Accuracy when each prompt keeps the completion `reward` scores highest (the first of equals)."""
+    values = scored.rewards.values[reward]
+    best: dict[int, tuple[float, int]] = {}  # prompt -> (score, -index) of its pick so far
+    for j, i in enumerate(scored.generation.prompt_index):
+        key = (values[j] if values[j] is not None else float("-inf"), -j)
+        best[i] = max(best.get(i, key), key)
+    return sum(scored.correct[-j] for _, j in best.values()) / len(best)
 
 
 def write_samples(scored: Scored, path) -> None:
@@ -36,12 +52,20 @@ def run_evaluate(ctx: StageContext) -> StageResult:
     with model_source(ctx) as src:
         tokenizer, model = load_tokenizer_for(ctx, src), load_model_for(ctx, src, dtype="fp32")
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
+    rewards = reward_set(ctx)
+    names = [r.name for r in rewards.rewards]  # a reward listed twice is NAME_i, i its place in the list
+    for name in s.best_of:
+        if name not in names:
+            raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
+                            f"rewards ({', '.join(names)})")
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx))
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))
+    for name in s.best_of:
+        metrics[f"best_of_{s.n}/{name}"] = best_of_n(scored, name)
     samples = ctx.work_dir / "samples.jsonl"
     write_samples(scored, samples)
     return StageResult(outputs={"dataset": samples}, metrics=metrics, headline="accuracy")

@@ -27,6 +27,9 @@ class Feed:
     collate: Callable[[list[dict]], dict]  # tokenised rows -> a padded micro-batch
     batch: Callable[[dict], Any]  # micro-batch -> the algorithm's batch (policy forward passes here)
     norm_mask: Callable[[dict], torch.Tensor]  # [B, T]: B examples, and the tokens a token mean divides by
+    # how much a micro-batch's mean metrics weigh in the step's: its examples, unless the metrics are
+    # means over something else (a PRM's over labelled steps)
+    weight: Callable[[dict], float] = lambda micro: len(micro["row"])
 
 
 class Tally:
@@ -57,16 +60,17 @@ def eval_rows(ctx: StageContext, schema: str):
         return None  # e.g. prompt+answer rows, which evaluate_model scores instead
 
 
-def split_rows(ctx: StageContext, tokenizer, schema: str, held_out=None):
+def split_rows(ctx: StageContext, tokenizer, schema: str, held_out=None, **tokenize_options):
     """(train, held_out or None), tokenised: `held_out` rows (from `eval_rows`) when given, else a fraction.
 
     Each row gets its index in its own split as `row`, so per-row caches (reference log-probs) line up.
     """
     s = ctx.settings
-    rows, stats = tokenize(load_rows(ctx.inputs["dataset"], schema), tokenizer, s.max_length, schema)
+    rows, stats = tokenize(load_rows(ctx.inputs["dataset"], schema), tokenizer, s.max_length, schema,
+                           **tokenize_options)
     ctx.log_metrics({f"data/{k}": float(v) for k, v in stats.items()}, 0)
     if held_out is not None:
-        held_out, _ = tokenize(held_out, tokenizer, s.max_length, schema)
+        held_out, _ = tokenize(held_out, tokenizer, s.max_length, schema, **tokenize_options)
     elif s.eval_fraction:
         split = rows.train_test_split(test_size=s.eval_fraction, seed=ctx.seed)
         rows, held_out = split["train"], split["test"]
@@ -95,7 +99,7 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
                 micro_loss, metrics = algo.loss(feed.batch(micro), norm)
                 engine.backward(micro_loss)
                 loss += micro_loss.item()  # step shares: their sum is the step's loss
-                tally.add(metrics, len(micro["row"]))
+                tally.add(metrics, feed.weight(micro))
             last = {**tally.means(), "loss": loss, **engine.step()}
             bar.update(**last)
             if engine.step_count % s.log_every == 0 or engine.step_count == engine.total_steps:
@@ -119,7 +123,7 @@ def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, fl
     for m in micros:
         micro_loss, metrics = algo.loss(feed.batch(m), norm)
         loss += micro_loss.item()
-        tally.add(metrics, len(m["row"]))
+        tally.add(metrics, feed.weight(m))
     engine.model.train()
     return {**tally.means(), "loss": loss}
 

@@ -86,10 +86,15 @@ def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: 
     """`n` completions per row's prompt, scored by every reward."""
     generation = generate(sampler, tokenizer, rows, n, gen, seed)
     prompts = [rows[i]["prompt"] for i in generation.prompt_index]
-    out = rewards(prompts, generation.texts, **columns_for(rows, generation))
-    first = out.values[rewards.rewards[0].name]
-    correct = [v is not None and v >= CORRECT_AT for v in first]
+    out, correct = judge(rewards, prompts, generation.texts, columns_for(rows, generation))
     return Scored(rows, n, generation, out, correct)
+
+
+def judge(rewards: RewardSet, prompts: list[str], texts: list[str], columns: dict) -> tuple[RewardOutput, list[bool]]:
+    """Every reward's values, and which completions the first reward calls correct."""
+    out = rewards(prompts, texts, **columns)
+    first = out.values[rewards.rewards[0].name]
+    return out, [v is not None and v >= CORRECT_AT for v in first]
 
 
 def accuracy_metrics(scored: Scored, ks: list[int] = (1,)) -> dict[str, float]:

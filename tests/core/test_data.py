@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from alignflow.core.data import (
-    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, tokenize, truncate,
+    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, split_steps, step_sequence, tokenize,
+    truncate,
 )
 from alignflow.core.errors import DataError
 from alignflow.core.tokenizer import build_char_tokenizer
@@ -65,7 +66,10 @@ def test_row_checks_for_every_schema():
     assert check_row(steps, "steps") is None
     assert check_row(dict(steps, steps=["a", 2]), "steps") == "field 'steps': item 1: expected str, got int"
     assert check_row(dict(steps, step_labels=[1]), "steps") == "field 'step_labels': 1 labels for 2 steps"
-    assert check_row(dict(steps, step_labels="11"), "steps").endswith("expected list[int|bool], got str")
+    assert check_row(dict(steps, step_labels="11"), "steps").endswith("expected list[int|bool|float], got str")
+    assert check_row(dict(steps, step_labels=[0.25, 1]), "steps") is None  # Math-Shepherd's soft labels
+    assert check_row(dict(steps, step_labels=[1, 2]), "steps") == \
+        "field 'step_labels': item 1: expected a label in [0, 1], got 2"
     assert check_row(["a"], "sft") == "expected a JSON object, got list"
     assert check_row({"prompt": None, "answer": "1"}, "prompt_answer").endswith("got null")
 
@@ -131,6 +135,14 @@ def test_pairwise_unpaired_and_steps(tmp_path, tok):
     row = tokenize(steps, tok, 64, "steps", step_separator=" ")[0][0]
     assert tok.decode(row["input_ids"]) == "9+5=9+5=14 0+0=1 "
     assert [(i, v) for i, v in enumerate(row["labels"]) if v != IGNORE_INDEX] == [(10, 1), (16, 0)]
+
+
+def test_split_steps_and_step_sequence(tok):
+    assert split_steps("<think>1+2=3 4+5=9</think>", " ") == ["<think>1+2=3", "4+5=9</think>"]
+    assert split_steps("a\n\nb\n", "\n") == ["a", "b"]  # empty steps dropped
+    assert split_steps("", "\n") == []
+    ids, ends = step_sequence([7, 8], [[1, 2, 3], [4, 5]])
+    assert ids == [7, 8, 1, 2, 3, 4, 5] and ends == [4, 6]
 
 
 def test_collate_pads_to_longest_in_micro_batch_only(tok):

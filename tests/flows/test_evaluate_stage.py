@@ -6,7 +6,7 @@ import math
 import pytest
 
 import alignflow.plugins.hf
-from alignflow.core import hookimpl
+from alignflow.core import SpecError, hookimpl
 from alignflow.core.models import build_tiny
 from alignflow.core.plugins import Plugins
 from alignflow.core.settings import EvaluateSettings
@@ -20,11 +20,17 @@ def even_length(prompts, completions, **_):
     return [float(len(c) % 2 == 0) for c in completions]
 
 
+def vowels(prompts, completions, **_):
+    """A selector for best-of-n: how many vowels a completion has."""
+    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+
 class Rewards:
     @staticmethod
     @hookimpl
     def register_rewards(register):
         register("even_length", even_length)
+        register("vowels", vowels)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +41,25 @@ def plugins():
     return p
 
 
-def test_metrics_match_the_written_samples(tmp_path, plugins):
+def evaluate(tmp_path, plugins, rows, best_of=("vowels",)):
     model = build_tiny(tmp_path / "model", seed=1)
     data = tmp_path / "test.jsonl"
-    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": 1 + a % 2} for a in range(6)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = parse_spec({"name": "e", "stages": {"eval": {
-        "kind": "evaluate", "inputs": {"model": str(model), "dataset": str(data)}, "rewards": ["even_length"],
-        "settings": {"n": 4, "k": [1, 2, 4], "generation": {"max_new_tokens": 6, "temperature": 1.0}}}}},
-        plugins=plugins)
+        "kind": "evaluate", "inputs": {"model": str(model), "dataset": str(data)},
+        "rewards": ["even_length", {"name": "vowels", "weight": 0}],
+        "settings": {"n": 4, "k": [1, 2, 4], "best_of": list(best_of),
+                     "generation": {"max_new_tokens": 6, "temperature": 1.0}}}}}, plugins=plugins)
     stage = spec.stages["eval"]
     ctx = StageContext("eval", stage, EvaluateSettings.model_validate(stage.settings), stage.inputs,
                        tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, plugins)
     ctx.work_dir.mkdir()
-    result = run_evaluate(ctx)
+    return run_evaluate(ctx)
+
+
+def test_metrics_match_the_written_samples(tmp_path, plugins):
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": 1 + a % 2} for a in range(6)]
+    result = evaluate(tmp_path, plugins, rows)
 
     samples = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
     assert len(samples) == 6 * 4
@@ -62,6 +73,15 @@ def test_metrics_match_the_written_samples(tmp_path, plugins):
     level1 = [c for i, c in enumerate(correct) if rows[i]["level"] == 1]
     assert m["accuracy/level_1"] == pytest.approx(sum(level1) / (4 * len(level1)))
     assert result.headline == "accuracy"
+    # best-of-4 by vowels: each prompt's completion with the most vowels (the first of equals)
+    picks = [max(samples[i * 4:(i + 1) * 4], key=lambda s: s["rewards"]["vowels"]) for i in range(6)]
+    assert m["best_of_4/vowels"] == pytest.approx(sum(s["correct"] for s in picks) / 6)
+
+
+def test_best_of_must_name_one_of_the_stages_rewards(tmp_path, plugins):
+    with pytest.raises(SpecError, match=r"settings.best_of: 'vowel' is not one of the stage's rewards "
+                                        r"\(even_length, vowels\)"):
+        evaluate(tmp_path, plugins, [{"prompt": "1+1=", "answer": "2"}], best_of=["vowel"])
 
 
 def test_evaluate_rejects_rejection_sampling_settings():

@@ -1,0 +1,107 @@
+"""The `step_labels` stage: Math-Shepherd step labels (Wang et al. 2024, arXiv 2312.08935) by rollouts.
+
+`n` solutions are sampled per prompt from `model` and each distinct one is split into steps at
+`step_separator`. Step i's label says whether the solution can still reach the answer after step i:
+the prefix (prompt + steps 1..i) is completed `rollouts` times by `completer` (default: `model`; the
+paper fine-tunes a separate completer) and the completions are judged by the first reward. Hard
+label: 1 when any completion is correct; soft: the share that are. The last step's prefix is the
+whole solution, so its label is the solution's own correctness; with hard labels a correct solution
+needs no rollouts, being itself a correct completion of each of its prefixes. Equal prefixes of one
+prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, `steps` and
+`step_labels`, ready for a `prm` stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from alignflow.core.data import load_rows, split_steps
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.scoring import columns_for, generate, generate_and_score, judge, reward_set
+from alignflow.flows.stages.select import write_jsonl
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
+
+ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
+
+
+def prefix(steps: list[str], i: int, separator: str) -> str:
+    """The text of steps 0..i, each followed by the separator."""
+    return "".join(step + separator for step in steps[: i + 1])
+
+
+def load_sampler(ctx: StageContext, key: str):
+    """The stage's sampler loaded with the model input `key`, and that model's tokenizer."""
+    with model_source(ctx, key) as src:
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(model, tokenizer)
+    return sampler, tokenizer
+
+
+def run_step_labels(ctx: StageContext) -> StageResult:
+    """Sample solutions, complete their step prefixes, write labelled `steps` rows to `data.jsonl`."""
+    s = ctx.settings
+    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    rewards = reward_set(ctx)
+    sampler, tokenizer = load_sampler(ctx, "model")
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)
+
+    solutions, seen = [], set()  # (prompt index, text, steps, correct), distinct per prompt
+    for i, text, ok in zip(scored.generation.prompt_index, scored.generation.texts, scored.correct):
+        steps = split_steps(text, s.step_separator)
+        if steps and (i, text) not in seen:
+            seen.add((i, text))
+            solutions.append((i, text, steps, ok))
+
+    # Every prefix whose label needs rollouts, once per prompt.
+    todo = list(dict.fromkeys(
+        (i, prefix(steps, k, s.step_separator))
+        for i, _, steps, ok in solutions if not (ok and s.label == "hard")
+        for k in range(len(steps) - 1)))
+    if "completer" in ctx.inputs:
+        del sampler
+        sampler, tokenizer = load_sampler(ctx, "completer")
+    hits = rollout_hits(ctx, sampler, tokenizer, rows, todo, rewards)
+
+    out = []
+    for i, text, steps, ok in solutions:
+        labels = []
+        for k in range(len(steps) - 1):
+            if ok and s.label == "hard":
+                labels.append(1)
+            else:
+                h = hits[(i, prefix(steps, k, s.step_separator))]
+                labels.append(int(h > 0) if s.label == "hard" else h / s.rollouts)
+        labels.append(int(ok))
+        out.append({**rows[i], "completion": text, "correct": ok, "steps": steps, "step_labels": labels})
+    path = ctx.work_dir / "data.jsonl"
+    write_jsonl(out, path)
+    labels = [v for row in out for v in row["step_labels"]]
+    metrics = {
+        "accuracy": sum(scored.correct) / len(scored.correct),
+        "solutions": float(len(out)),
+        "steps": float(len(labels)),
+        "rollouts": float(len(todo) * s.rollouts),
+        "steps/positive": sum(v > 0.5 for v in labels) / max(len(labels), 1),
+        "solutions/correct": sum(row["correct"] for row in out) / max(len(out), 1),
+    }
+    ctx.log_metrics(metrics, 0)
+    return StageResult(outputs={"dataset": path}, metrics=metrics, headline="steps")
+
+
+def rollout_hits(ctx: StageContext, sampler, tokenizer, rows: list[dict], todo: list[tuple[int, str]],
+                 rewards) -> dict[tuple[int, str], int]:
+    """For each (prompt index, prefix): how many of `rollouts` completions of it are correct."""
+    if not todo:
+        return {}
+    s = ctx.settings
+    prompts = [{**rows[i], "prompt": rows[i]["prompt"] + text} for i, text in todo]
+    generation = generate(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED)
+    keys = [todo[j] for j in generation.prompt_index]
+    texts = [text + cont for (_, text), cont in zip(keys, generation.texts)]
+    _, correct = judge(rewards, [rows[i]["prompt"] for i, _ in keys], texts, columns_for(prompts, generation))
+    hits = dict.fromkeys(todo, 0)
+    for key, ok in zip(keys, correct):
+        hits[key] += ok
+    return hits
