@@ -26,6 +26,7 @@ from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, to_batch
 from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.scoring import reward_set
 from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
                                              save_pretrained)
 
@@ -109,7 +110,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(engine.module, tokenizer)
-    rewards = RewardSet.from_refs(ctx.spec.rewards, ctx.plugins)
+    rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches), total
 
 

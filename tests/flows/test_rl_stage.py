@@ -94,6 +94,25 @@ def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, na
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_reward_model_input_reaches_a_reward_config(tmp_path, plugins, tiny):
+    # InstructGPT's PPO scores with a reward model another stage trained: `${inputs.NAME}` is its path.
+    from alignflow.core.models import load_value_model
+
+    prm = load_value_model(tiny)
+    prm.config.step_separator = " "  # as the prm stage saves it
+    prm.save_pretrained(tmp_path / "prm")
+    load_tokenizer(tiny).save_pretrained(tmp_path / "prm")
+    log = []
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, log, max_steps=1)
+    ctx.spec.rewards = StageSpec(kind="rl", rewards=[
+        "ascii_first", {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
+    ctx.inputs["prm"] = tmp_path / "prm"
+    run_rl(ctx)
+    # a fresh head scores 0, so every step is 0.5 likely to be right, and so is the worst one
+    assert log[0][1]["reward/prm/mean"] == pytest.approx(0.5)
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
 
 
