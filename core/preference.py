@@ -1,4 +1,4 @@
-"""The offline training contract (sft, reward_model, prm, preference stages): batches, base classes, batch building.
+"""The offline training contract (sft, reward_model, prm, preference stages): batches, base classes.
 
 A stage scores sequences and passes one batch dataclass per micro-batch to `algorithm.loss(batch, norm)`,
 which returns `(loss, metrics)`:

@@ -49,15 +49,15 @@ def write_samples(scored: Scored, path) -> None:
 def run_evaluate(ctx: StageContext) -> StageResult:
     """Score `model` on `dataset` (prompt + answer rows); the samples are the stage's dataset output."""
     s = ctx.settings
-    with model_source(ctx) as src:
-        tokenizer, model = load_tokenizer_for(ctx, src), load_model_for(ctx, src, dtype="fp32")
-    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
     rewards = reward_set(ctx)
     names = [r.name for r in rewards.rewards]  # a reward listed twice is NAME_i, i its place in the list
     for name in s.best_of:
         if name not in names:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
+    with model_source(ctx) as src:
+        tokenizer, model = load_tokenizer_for(ctx, src), load_model_for(ctx, src, dtype="fp32")
+    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)
     scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)

@@ -90,7 +90,8 @@ def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: 
     return Scored(rows, n, generation, out, correct)
 
 
-def judge(rewards: RewardSet, prompts: list[str], texts: list[str], columns: dict) -> tuple[RewardOutput, list[bool]]:
+def judge(rewards: RewardSet, prompts: list[str], texts: list[str],
+          columns: dict) -> tuple[RewardOutput, list[bool]]:
     """Every reward's values, and which completions the first reward calls correct."""
     out = rewards(prompts, texts, **columns)
     first = out.values[rewards.rewards[0].name]
