@@ -220,9 +220,19 @@ def _pairwise_batch(batch, tokenizer, max_length):
     return out
 
 
+def step_spans(completion: str, separator: str) -> list[tuple[str, int]]:
+    """A solution's steps, the text between separators (empty steps dropped), with where each ends."""
+    spans, start = [], 0
+    for step in completion.split(separator):
+        if step.strip():
+            spans.append((step, start + len(step)))
+        start += len(step) + len(separator)
+    return spans
+
+
 def split_steps(completion: str, separator: str) -> list[str]:
     """A solution's steps: the text between separators, empty steps dropped."""
-    return [step for step in completion.split(separator) if step.strip()]
+    return [step for step, _ in step_spans(completion, separator)]
 
 
 def step_sequence(prompt_ids: list[int], pieces: list[list[int]]) -> tuple[list[int], list[int]]:

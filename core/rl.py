@@ -44,6 +44,9 @@ class Rollout:
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference, when requires_reference
     values: Tensor | None = None  # [B, T] critic values before each token, when requires_critic
     truncated: Tensor | None = None  # [B] bool: hit max_new_tokens without EOS
+    # process supervision (requires_step_rewards): a reward at each reasoning step's last token
+    step_rewards: Tensor | None = None  # [B, T] the step's reward at its last token, 0 elsewhere
+    step_mask: Tensor | None = None  # [B, T] 1 at each step's last token
 
     def __post_init__(self):
         b, t = self.response_mask.shape
@@ -129,6 +132,7 @@ class RLAlgorithm(Algorithm):
 
     stage: ClassVar[str] = "rl"
     needs_old_logprobs: ClassVar[bool] = True  # importance ratios / KL to pi_old
+    requires_step_rewards: ClassVar[bool] = False  # a process reward (the `prm` reward) scores each step
     requires_whole_groups: ClassVar[bool] = False  # the loss couples responses of one prompt
 
     def __init__(self, config: PluginConfig | None = None):

@@ -72,6 +72,16 @@ class ProcessReward:
             out += [probs[row, ends].tolist() for row, (_, ends) in enumerate(chunk)]
         return out
 
+    def step_rewards(self, prompts: list[str], completions: list[str]) -> list[list[tuple[int, float]]]:
+        """(where the step ends in the completion, in characters; P(step correct)) for each scored step."""
+        from alignflow.core.data import step_spans
+
+        out = []
+        for c, scores in zip(completions, self.step_scores(prompts, completions)):
+            ends = [end for _, end in step_spans(c, self.separator)]
+            out.append(list(zip(ends[len(ends) - len(scores):], scores)))  # truncation drops the first
+        return out
+
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]:
         aggregate = AGGREGATIONS[self.config.aggregation]
         return [aggregate(p) if p else 0.0 for p in self.step_scores(prompts, completions)]

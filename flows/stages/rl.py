@@ -92,6 +92,7 @@ class Parts:
     tokenizer: Any
     dataset: list[dict]
     n_minibatches: int  # optimizer steps per epoch over a rollout
+    process_reward: Any = None  # the reward that scores each step, for `requires_step_rewards`
 
 
 def build(ctx: StageContext) -> tuple[Parts, int]:
@@ -111,7 +112,19 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(engine.module, tokenizer)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
-    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches), total
+    process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
+    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
+                 process), total
+
+
+def process_reward(ctx: StageContext, rewards: RewardSet):
+    """The one reward of the stage that scores each step (has `step_rewards`, as the `prm` reward)."""
+    found = [r for r in rewards.rewards if hasattr(r.fn, "step_rewards")]
+    if len(found) != 1:
+        raise SpecError(f"stage {ctx.name!r}: algorithm {ctx.spec.algorithm.name!r} learns from step rewards "
+                        f"and needs exactly one reward that scores steps (such as `prm`) among its rewards; "
+                        f"found {len(found)} ({', '.join(r.name for r in rewards.rewards)})")
+    return found[0].fn
 
 
 def run_rl(ctx: StageContext) -> StageResult:
@@ -147,7 +160,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     s, gen = ctx.settings, ctx.settings.generation
     start = time.perf_counter()
     kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
-                                   p.tokenizer.pad_token_id)
+                                   p.tokenizer.pad_token_id, p.process_reward)
     metrics.update(rollout_metrics(kept, drawn))
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances

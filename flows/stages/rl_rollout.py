@@ -31,6 +31,7 @@ class Samples:
     correct: list[bool]  # the first reward scored >= 1
     truncated: list[bool]
     values: dict[str, list[float | None]]  # each reward's raw scores
+    steps: list[list[tuple[int, float]]] | None = None  # process reward: (completion token, reward) per step
 
     def __len__(self) -> int:
         return len(self.group)
@@ -87,22 +88,48 @@ def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> lis
 
 
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
-                   group_offset: int) -> tuple[Samples, dict[str, float]]:
-    """G completions for each of `rows`, scored; timings of generation and scoring."""
+                   group_offset: int, process_reward=None) -> tuple[Samples, dict[str, float]]:
+    """G completions for each of `rows`, scored (and their steps, given a process reward); timings."""
     start = time.perf_counter()
     scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards)
     g = scored.generation
     gen_s = g.timings.get("generate_s", time.perf_counter() - start)
     prompts = prompt_ids(tokenizer, rows)
+    steps = None
+    if process_reward is not None:
+        spans = process_reward.step_rewards([rows[i]["prompt"] for i in g.prompt_index], g.texts)
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        steps = [list(zip(token_ends(decode, ids, [end for end, _ in sp]), [r for _, r in sp]))
+                 for ids, sp in zip(g.completion_ids, spans)]
     samples = Samples(
         prompt_ids=[prompts[i] for i in g.prompt_index], completion_ids=g.completion_ids,
         logprobs=g.logprobs, group=[group_offset + i for i in g.prompt_index], reward=scored.rewards.total,
-        correct=scored.correct, truncated=g.truncated, values=scored.rewards.values,
+        correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 
 
-def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int):
+def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
+    """For each character offset in `decode(ids)`, the index of the token that completes the text up to it.
+
+    Binary search on decoded prefixes: a step ends at the first token whose prefix reaches its last
+    character, whatever the tokenizer merged around it.
+    """
+    out = []
+    for end in char_ends:
+        lo, hi = 0, len(ids) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(ids[: mid + 1])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(lo)
+    return out
+
+
+def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,
+            process_reward=None):
     """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill
     up to `algo.max_gen_batches` rounds (0: until full), trim to `prompts_per_step` groups.
     """
@@ -113,7 +140,8 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
         rows = [dataset[i] for i in round_prompts(step, rounds, len(dataset), want, ctx.seed)]
         seed = ctx.seed * 1_000_003 + step * 101 + rounds  # a pure function of (step, round)
-        samples, t = generate_round(sampler, tokenizer, rows, G, s.generation, seed, rewards, rounds * want)
+        samples, t = generate_round(sampler, tokenizer, rows, G, s.generation, seed, rewards, rounds * want,
+                                    process_reward)
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -144,10 +172,17 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
         old = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()
     else:
         old = torch.zeros_like(response)
+    step_rewards = step_mask = None
+    if samples.steps is not None:
+        step_rewards, step_mask = torch.zeros_like(response), torch.zeros_like(response)
+        for row, (n, steps) in enumerate(zip(prompt_len, samples.steps)):
+            for token, reward in steps:
+                step_rewards[row, n + token], step_mask[row, n + token] = reward, 1.0
     rollout = Rollout(
         rewards=torch.tensor(samples.reward, dtype=torch.float32), group=torch.tensor(samples.group),
         response_mask=response, old_logprobs=old, max_new_tokens=max_new_tokens,
         correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
+        step_rewards=step_rewards, step_mask=step_mask,
     )
     return Batch(ids, attention, rollout)
 

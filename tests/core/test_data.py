@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from alignflow.core.data import (
-    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, split_steps, step_sequence, tokenize,
-    truncate,
+    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, split_steps, step_sequence, step_spans,
+    tokenize, truncate,
 )
 from alignflow.core.errors import DataError
 from alignflow.core.tokenizer import build_char_tokenizer
@@ -141,6 +141,8 @@ def test_split_steps_and_step_sequence(tok):
     assert split_steps("<think>1+2=3 4+5=9</think>", " ") == ["<think>1+2=3", "4+5=9</think>"]
     assert split_steps("a\n\nb\n", "\n") == ["a", "b"]  # empty steps dropped
     assert split_steps("", "\n") == []
+    # where each step ends in the completion, for mapping step scores to tokens
+    assert step_spans("ab\n\ncd\ne", "\n") == [("ab", 2), ("cd", 6), ("e", 8)]
     ids, ends = step_sequence([7, 8], [[1, 2, 3], [4, 5]])
     assert ids == [7, 8, 1, 2, 3, 4, 5] and ends == [4, 6]
 

@@ -183,6 +183,8 @@ def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(t
         r = ProcessReward(ProcessReward.Config(path=path, aggregation=aggregation))
         assert r(prompts[:1], completions[:1])[0] == pytest.approx(expected, rel=1e-6)
     assert reward(["4="], ["  "]) == [0.0]  # no step: nothing is right
+    # for process supervision: each step's score with where the step ends in the completion
+    assert reward.step_rewards(["4="], ["ay bn"]) == [list(zip([2, 5], reward.step_scores(["4="], ["ay bn"])[0]))]
     # cut from the left: the prompt and the first step's end fall off, the second step is still scored
     short = ProcessReward(ProcessReward.Config(path=path, max_length=8))
     assert len(short.step_scores(["100="], ["ay bbbbbbn"])[0]) == 1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.core import hookimpl
+from alignflow.core import SpecError, hookimpl
 from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import Rollout
@@ -17,7 +17,7 @@ from alignflow.core.settings import RLSettings
 from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl import run_rl
-from alignflow.flows.stages.rl_rollout import Samples, to_batch
+from alignflow.flows.stages.rl_rollout import Samples, to_batch, token_ends
 from alignflow.flows.stages.rl_update import minibatches
 
 ASCII = 128  # the tiny tokenizer's ids below 128 are ASCII bytes: about half its vocabulary
@@ -79,8 +79,12 @@ KEYS = {"accuracy", "reward/total/mean", "reward/total/std", "reward/ascii_first
 def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, name):
     log = []
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
-    ctx = make_ctx(tmp_path, plugins, tiny, name, data, log)
     algo = plugins.algorithms.get(name)()
+    if algo.requires_step_rewards:  # a process reward scores the steps; long enough to have some
+        ctx = make_ctx(tmp_path, plugins, tiny, name, data, log, generation={"max_new_tokens": 24})
+        with_prm(ctx, tiny, tmp_path)
+    else:
+        ctx = make_ctx(tmp_path, plugins, tiny, name, data, log)
     result = run_rl(ctx)
     assert [step for step, _ in log[:-1]] == [1, 2] and result.metrics["steps"] == 2
     for _, metrics in log[:-1]:
@@ -111,6 +115,65 @@ def test_a_reward_model_input_reaches_a_reward_config(tmp_path, plugins, tiny):
     run_rl(ctx)
     # a fresh head scores 0, so every step is 0.5 likely to be right, and so is the worst one
     assert log[0][1]["reward/prm/mean"] == pytest.approx(0.5)
+
+
+def test_step_ends_map_to_the_tokens_that_complete_them():
+    pieces = ["<th", "ink>", "1+", "2=3", " ", "4", "+5=9"]  # tokens of several characters
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    text = decode(range(len(pieces)))
+    assert text == "<think>1+2=3 4+5=9"
+    # the steps "<think>1+2=3" and "4+5=9" end after characters 12 and 18: in tokens 3 and 6
+    assert token_ends(decode, list(range(len(pieces))), [12, 18]) == [3, 6]
+    assert token_ends(decode, list(range(len(pieces))), [1, 13]) == [0, 4]
+
+
+def test_step_rewards_sit_at_their_tokens_in_the_batch():
+    samples = Samples([[1, 2], [3]], [[5, 6, 7], [8, 9]], None, [0, 0], [0.0, 1.0], [False, True],
+                      [False, False], {}, steps=[[(0, 0.25), (2, 0.75)], [(1, 0.5)]])
+    r = to_batch(samples, 0, 4).rollout
+    assert r.step_mask.tolist() == [[0, 0, 1, 0, 1], [0, 0, 1, 0, 0]]  # after 2 and 1 prompt tokens
+    assert r.step_rewards[0, 2].item() == 0.25 and r.step_rewards[0, 4].item() == 0.75
+    assert r.step_rewards[1, 2].item() == 0.5 and r.step_rewards.sum().item() == 1.5
+
+
+def prm_checkpoint(tiny, path):
+    """The tiny model with a random value head: step scores that differ from step to step."""
+    from alignflow.core.models import load_value_model
+
+    prm = load_value_model(tiny)
+    torch.nn.init.normal_(prm.score.weight, std=0.5, generator=torch.Generator().manual_seed(0))
+    prm.config.step_separator = "a"  # a character the random tiny model writes now and then
+    prm.save_pretrained(path)
+    load_tokenizer(tiny).save_pretrained(path)
+    return path
+
+
+def with_prm(ctx, tiny, tmp_path):
+    """Add a `prm` reward (weight 0) reading the stage's `prm` input, a random-headed tiny PRM."""
+    ctx.spec.rewards = StageSpec(kind="rl", rewards=[
+        "ascii_first", {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
+    ctx.inputs["prm"] = prm_checkpoint(tiny, tmp_path / "prm")
+
+
+def test_process_supervised_grpo_trains_on_prm_step_rewards(tmp_path, plugins, tiny):
+    log = []
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo_process", data, log, max_steps=1,
+                   generation={"max_new_tokens": 24})
+    with_prm(ctx, tiny, tmp_path)
+    result = run_rl(ctx)
+    metrics = log[0][1]
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["advantages/std"] > 0  # the steps' rewards, not the (unused) outcome reward alone
+    before, after = weights(tiny), weights(result.outputs["model"])
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_process_supervised_grpo_needs_a_reward_that_scores_steps(tmp_path, plugins, tiny):
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo_process", data, [])
+    with pytest.raises(SpecError, match="needs exactly one reward that scores steps.*found 0 \\(ascii_first\\)"):
+        run_rl(ctx)
 
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
