@@ -48,6 +48,7 @@ class ProcessReward:
             raise ValueError(f"{config.path}: the model records no step_separator (not a `prm` stage's "
                              f"model?); give the reward's step_separator")
         self.separator = separator
+        self._last: tuple = (None, None)  # the last batch scored and its scores
 
     def step_scores(self, prompts: list[str], completions: list[str]) -> list[list[float]]:
         """P(step correct) for each step of each completion, `batch_size` completions at a time."""
@@ -56,6 +57,9 @@ class ProcessReward:
         from alignflow.core.data import pad, split_steps, step_pieces, step_sequence
         from alignflow.core.models import token_values
 
+        key = (prompts, completions)
+        if key == self._last[0]:  # process-supervised RL asks for the rewards, then the steps, of one batch
+            return self._last[1]
         seqs = []
         for p, c in zip(prompts, completions, strict=True):
             pieces = step_pieces(self.tokenizer, split_steps(c, self.separator), self.separator)
@@ -70,6 +74,7 @@ class ProcessReward:
             with torch.inference_mode():
                 probs = torch.sigmoid(token_values(self.model, ids, mask).float()).cpu()
             out += [probs[row, ends].tolist() for row, (_, ends) in enumerate(chunk)]
+        self._last = ((list(prompts), list(completions)), out)
         return out
 
     def step_rewards(self, prompts: list[str], completions: list[str]) -> list[list[tuple[int, float]]]:

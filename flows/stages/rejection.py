@@ -11,13 +11,10 @@ model, prompts and seed write the same rows.
 
 from __future__ import annotations
 
-import torch
-
 from alignflow.core.data import load_rows
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
+from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl
-from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 
 def best(candidates: list[int], total: list[float]) -> int | None:
@@ -63,11 +60,7 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
 def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
-    with model_source(ctx) as src:
-        tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    sampler.load(model, tokenizer)
+    sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx))
 

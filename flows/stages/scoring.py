@@ -1,4 +1,4 @@
-"""Generate completions for dataset prompts and score them: shared by evaluate, rl and rejection sampling.
+"""Generate completions for dataset prompts and score them: shared by the sampling stages and rl.
 
 A completion is *correct* when the first reward listed scores at least 1 (exact for 0/1 verifiers,
 all tests passed for `code_exec`): accuracy and pass@k count those.
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 CORRECT_AT = 1.0 - 1e-6
 
@@ -52,6 +55,16 @@ def _input_value(ctx, value):
                             f"input {name!r} (inputs: {', '.join(ctx.inputs)})")
         return str(ctx.inputs[name])
     return value
+
+
+def load_sampler(ctx, key: str = "model"):
+    """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer."""
+    with model_source(ctx, key) as src:
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(model, tokenizer)
+    return sampler, tokenizer
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:

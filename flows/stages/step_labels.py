@@ -13,13 +13,11 @@ prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, 
 
 from __future__ import annotations
 
-import torch
-
 from alignflow.core.data import load_rows, split_steps
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import columns_for, generate, generate_and_score, judge, reward_set
+from alignflow.flows.stages.scoring import (columns_for, generate, generate_and_score, judge, load_sampler,
+                                            reward_set)
 from alignflow.flows.stages.select import write_jsonl
-from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
 
@@ -27,16 +25,6 @@ ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solution
 def prefix(steps: list[str], i: int, separator: str) -> str:
     """The text of steps 0..i, each followed by the separator."""
     return "".join(step + separator for step in steps[: i + 1])
-
-
-def load_sampler(ctx: StageContext, key: str):
-    """The stage's sampler loaded with the model input `key`, and that model's tokenizer."""
-    with model_source(ctx, key) as src:
-        tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    sampler.load(model, tokenizer)
-    return sampler, tokenizer
 
 
 def run_step_labels(ctx: StageContext) -> StageResult:
@@ -60,7 +48,7 @@ def run_step_labels(ctx: StageContext) -> StageResult:
         for i, _, steps, ok in solutions if not (ok and s.label == "hard")
         for k in range(len(steps) - 1)))
     if "completer" in ctx.inputs:
-        del sampler
+        del sampler  # one model in memory at a time
         sampler, tokenizer = load_sampler(ctx, "completer")
     hits = rollout_hits(ctx, sampler, tokenizer, rows, todo, rewards)
 

@@ -183,6 +183,10 @@ def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(t
         r = ProcessReward(ProcessReward.Config(path=path, aggregation=aggregation))
         assert r(prompts[:1], completions[:1])[0] == pytest.approx(expected, rel=1e-6)
     assert reward(["4="], ["  "]) == [0.0]  # no step: nothing is right
+    # the same batch again (process-supervised RL: the reward, then the steps) is not scored twice
+    first = reward.step_scores(prompts, completions)
+    assert reward.step_scores(list(prompts), list(completions)) is first
+    assert reward.step_scores(prompts[:1], completions[:1])[0] == pytest.approx(first[0], abs=1e-6)  # rescored
     # for process supervision: each step's score with where the step ends in the completion
     assert reward.step_rewards(["4="], ["ay bn"]) == [list(zip([2, 5], reward.step_scores(["4="], ["ay bn"])[0]))]
     # cut from the left: the prompt and the first step's end fall off, the second step is still scored
