@@ -1,8 +1,8 @@
 """Stage digests: a hash of everything that determines a stage's outputs.
 
-digest = sha256(kind, validated config, input digests, plugin and runner versions + source
-hashes, data version, seed). Upstream stages enter through their own digests, so a change
-reaches exactly a stage and its descendants.
+digest = sha256(kind, validated config, input digests, plugin versions + source hashes, the
+source of the runner and the alignflow modules it imports, data version, seed). Upstream stages
+enter through their own digests, so a change reaches exactly a stage and its descendants.
 """
 
 from __future__ import annotations
@@ -111,6 +111,34 @@ def source_hash(obj: Any) -> str | None:
     module = sys.modules.get(getattr(obj, "__module__", ""), None)
     path = getattr(module, "__file__", None) or inspect.getsourcefile(obj)
     return hash_file(Path(path)) if path else None
+
+
+def code_hash(module_name: str, package: str = "alignflow.") -> str:
+    """sha256 over the source of a module and of every `package` module it imports, transitively.
+
+    A stage runner's output depends on the helpers it calls (the shared training loop, tokenisation,
+    scoring), not only on its own file: an edit to any of them reruns the stage. Imports made inside
+    functions are not seen.
+    """
+    seen, todo = set(), [module_name]
+    while todo:
+        name = todo.pop()
+        module = sys.modules.get(name)
+        if name in seen or module is None:
+            continue
+        seen.add(name)
+        for value in vars(module).values():
+            dep = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            if not isinstance(dep, str) or not dep.startswith(package) or dep in seen:
+                continue
+            if inspect.ismodule(value) and dep.startswith(name + "."):
+                continue  # a package's submodules are its attributes once imported, not its dependencies
+            todo.append(dep)
+    h = hashlib.sha256()
+    for name in sorted(seen):
+        path = getattr(sys.modules[name], "__file__", None)
+        h.update(f"{name}:{hash_file(Path(path)) if path else ''}\n".encode())
+    return h.hexdigest()
 
 
 def data_version(project: Path) -> str | None:

@@ -31,11 +31,11 @@ class StagePlan:
 
 
 def runner_version(kind: str) -> dict:
-    """The runner's module and source hash: editing a stage's code reruns that stage."""
+    """The runner's module and a hash of its code and the alignflow code it imports: an edit reruns the stage."""
     from alignflow.flows.stages import RUNNERS
 
     runner = RUNNERS[kind]
-    return {"module": runner.__module__, "source": dg.source_hash(runner)}
+    return {"module": runner.__module__, "source": dg.code_hash(runner.__module__)}
 
 
 def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, StagePlan]:

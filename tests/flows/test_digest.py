@@ -1,5 +1,6 @@
 import os
 import sqlite3
+import sys
 import time
 
 from alignflow.core.plugins import get_plugins
@@ -96,3 +97,26 @@ def test_planning_remembers_input_hashes_in_the_project(tmp_path, make_project):
         paths = [r[0] for r in conn.execute("SELECT path FROM hashes")]
     assert str((project / "in.jsonl").resolve()) in paths
     assert digests(project) == first
+
+
+def test_code_hash_follows_what_a_runner_imports_and_nothing_else(tmp_path, monkeypatch):
+    import importlib
+
+    from alignflow.flows.digest import code_hash
+
+    pkg = tmp_path / "hashpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("def shared():\n    return 1\n")
+    (pkg / "other.py").write_text("def unrelated():\n    return 2\n")
+    (pkg / "runner.py").write_text("from hashpkg.helper import shared\n\ndef run():\n    return shared()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("hashpkg.runner")
+    importlib.import_module("hashpkg.other")  # imported, so an attribute of the package, but not used
+    before = code_hash("hashpkg.runner", package="hashpkg.")
+    (pkg / "other.py").write_text("def unrelated():\n    return 3\n")
+    assert code_hash("hashpkg.runner", package="hashpkg.") == before
+    (pkg / "helper.py").write_text("def shared():\n    return 4\n")  # the runner's numbers would change
+    assert code_hash("hashpkg.runner", package="hashpkg.") != before
+    for name in ("hashpkg.runner", "hashpkg.helper", "hashpkg.other", "hashpkg"):
+        monkeypatch.delitem(sys.modules, name)
