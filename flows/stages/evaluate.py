@@ -13,8 +13,7 @@ from collections import defaultdict
 from alignflow.core.data import load_rows
 from alignflow.core.errors import SpecError
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, reward_set
-from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
+from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -55,11 +54,8 @@ def run_evaluate(ctx: StageContext) -> StageResult:
         if name not in names:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
-    with model_source(ctx) as src:
-        tokenizer, model = load_tokenizer_for(ctx, src), load_model_for(ctx, src, dtype="fp32")
+    sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    sampler.load(model, tokenizer)
     scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:

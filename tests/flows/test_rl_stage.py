@@ -157,14 +157,15 @@ def with_prm(ctx, tiny, tmp_path):
 
 def test_process_supervised_grpo_trains_on_prm_step_rewards(tmp_path, plugins, tiny):
     log = []
-    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    data = write_rows(tmp_path / "rl.jsonl", ["dead"] * 4)  # the outcome reward is 0 for every sample
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo_process", data, log, max_steps=1,
                    generation={"max_new_tokens": 24})
     with_prm(ctx, tiny, tmp_path)
     result = run_rl(ctx)
     metrics = log[0][1]
     assert all(math.isfinite(v) for v in metrics.values())
-    assert metrics["advantages/std"] > 0  # the steps' rewards, not the (unused) outcome reward alone
+    assert metrics["reward/total/std"] == 0  # so any spread of the advantages comes from the steps
+    assert metrics["advantages/std"] > 0
     before, after = weights(tiny), weights(result.outputs["model"])
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
