@@ -214,9 +214,10 @@ class Engine:
     def step_norm(self, masks: list[torch.Tensor], constant: float | None = None) -> StepNorm:
         """Token and sequence counts of this step's micro-batches, summed over all ranks."""
         local = StepNorm.of(masks, constant)
-        counts = torch.tensor([local.num_tokens, local.num_seqs], dtype=torch.float64)
+        # on the engine's device: NCCL reduces only CUDA tensors (gloo takes CPU ones)
+        counts = torch.tensor([local.num_tokens, local.num_seqs], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
-            dist.all_reduce(counts)  # gloo and nccl both reduce float64
+            dist.all_reduce(counts)
         return StepNorm(counts[0].item(), counts[1].item(), constant)
 
     def backward(self, loss: torch.Tensor) -> None:

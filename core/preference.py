@@ -200,4 +200,5 @@ def _unpaired_batch(algo: OfflineAlgorithm, policy: Scorer, ref: Scorer | None, 
             policy_kl = policy("kl", "completion").logps
         ref_kl = ref("kl", "completion").logps if ref is not None else None
     ref_logps = ref("completion", "completion").logps if ref is not None else None
-    return UnpairedBatch(seqs.logps, seqs.lengths, labels.bool(), ref_logps, policy_kl, ref_kl)
+    labels = labels.bool().to(seqs.logps.device)  # collated on the CPU, scored on the model's device
+    return UnpairedBatch(seqs.logps, seqs.lengths, labels, ref_logps, policy_kl, ref_kl)

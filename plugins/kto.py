@@ -12,7 +12,7 @@ from alignflow.core.preference import OfflineAlgorithm, UnpairedBatch, example_m
 def reference_point(kl_logratios: torch.Tensor) -> torch.Tensor:
     """z_ref = max(0, mean of the mismatched pairs' log-ratios), over all ranks, without gradient."""
     total = torch.stack([kl_logratios.detach().sum(), kl_logratios.new_tensor(float(kl_logratios.numel()))])
-    if dist.is_available() and dist.is_initialized():  # HALOs: sum and count across processes
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # HALOs: across processes
         dist.all_reduce(total)
     return (total[0] / total[1].clamp(min=1.0)).clamp(min=0.0)
 

@@ -16,6 +16,9 @@ import signal
 import sys
 from pathlib import Path
 
+# cuBLAS is deterministic only with a fixed workspace; read when its first handle is made
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 if __name__ == "__main__":
     # DeepSpeed's autotuner imports mlflow when installed (3 s of a ~10 s start); this run logs nothing
     sys.modules["mlflow"] = None
@@ -28,6 +31,8 @@ from alignflow.core.engine import Engine
 from alignflow.core.settings import TrainSettings
 
 T = 12  # tokens per sequence, so T - 1 log-probs
+# where the engine puts the model: the tests' data goes there too (a GPU when there is one)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class TinyLM(torch.nn.Module):
@@ -55,7 +60,7 @@ def dataset(n: int = 48, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 64, (n, T), generator=g)
     lengths = torch.randint(2, T, (n,), generator=g)
-    return ids, (torch.arange(T - 1) < lengths[:, None]).float()
+    return ids.to(DEVICE), (torch.arange(T - 1) < lengths[:, None]).float().to(DEVICE)
 
 
 def per_token_loss(model, ids: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
@@ -106,11 +111,11 @@ def run(out: Path, steps: int = 6, zero: int = 0, micro: int = 4, kill_after: in
     for _ in engine.steps():
         take, pos = next_batch(pos, len(ids), settings.batch_size)
         # drawn from the global RNG on every rank alike, so a resume must restore it
-        adv = torch.randn(settings.batch_size)
+        adv = torch.randn(settings.batch_size).to(DEVICE)
         mine = torch.arange(engine.rank * per_rank, (engine.rank + 1) * per_rank)
         micros = mine.split(settings.micro_batch_size)
         norm = engine.step_norm([mask[take[m]] for m in micros])
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), device=DEVICE)
         for m in micros:
             loss = aggregate(per_token_loss(engine.model, ids[take[m]], adv[m]), mask[take[m]], "token-mean", norm)
             engine.backward(loss)

@@ -31,7 +31,7 @@ def train(out, steps: int, total: int = 6, resume=True, **settings) -> Engine:
         if step >= steps:
             break
         rows = slice(4 * step, 4 * step + 4)
-        logp = worker.per_token_loss(engine.model, ids[rows], torch.ones(4))
+        logp = worker.per_token_loss(engine.model, ids[rows], torch.ones(4, device=engine.device))
         engine.backward((logp * mask[rows]).sum() / mask[rows].sum())
         engine.step()
         engine.maybe_save({"index": 4 * (step + 1)})

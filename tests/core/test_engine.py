@@ -69,10 +69,10 @@ def test_batch_must_split_into_micro_batches():
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulated_gradient_equals_big_batch(mode):
     """Four micro-batches of uneven masks give the gradient of one batch four times as large."""
-    model = qwen2()
+    model = qwen2().to(worker.DEVICE)
     reference = copy.deepcopy(model)
     ids, mask = worker.dataset(16)
-    adv = torch.randn(16)
+    adv = torch.randn(16).to(worker.DEVICE)
     constant = float(mask.shape[1])  # seq-mean-token-sum-norm: the generation budget T
 
     big = aggregate(worker.per_token_loss(reference, ids, adv), mask, mode, StepNorm.of([mask], constant))
@@ -102,7 +102,7 @@ def test_step_reports_lr_and_grad_norm_and_clips():
     torch.nn.init.zeros_(model.weight)
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.5, lr_scheduler="linear", grad_clip=1.0)
     engine = Engine.create(model, settings, total_steps=2)
-    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]])
+    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]], device=engine.device)
     engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4): norm 5, clipped to 1
     metrics = engine.step()
     assert metrics["lr"] == pytest.approx(0.5) and metrics["grad_norm"] == pytest.approx(5.0)
@@ -117,10 +117,10 @@ def test_sgd_takes_the_plain_gradient_step(zero):
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.1, lr_scheduler="constant",
                              optimizer="sgd", grad_clip=10.0, zero_stage=zero)
     engine = Engine.create(model, settings, total_steps=1)
-    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]])
+    x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]], device=engine.device)
     engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4)
     engine.step()
-    torch.testing.assert_close(engine.module.weight.detach(), torch.tensor([[-0.3, 0.0, 0.0, -0.4]]))
+    torch.testing.assert_close(engine.module.weight.detach().cpu(), torch.tensor([[-0.3, 0.0, 0.0, -0.4]]))
 
 
 @pytest.mark.parametrize("zero", [0, 2])
@@ -130,7 +130,7 @@ def test_step_without_backward_only_advances_the_schedule(zero):
     before = engine.full_state_dict()
     assert engine.step() == {"lr": 1.0, "grad_norm": 0.0}
     assert all(torch.equal(w, before[k]) for k, w in engine.full_state_dict().items())
-    engine.backward(engine.model(torch.ones(2, 4)).sum())
+    engine.backward(engine.model(torch.ones(2, 4, device=engine.device)).sum())
     assert engine.step()["lr"] == pytest.approx(0.75)  # the schedule moved on by one step
 
 
@@ -143,7 +143,7 @@ def test_steps_insists_on_one_optimizer_step_each():
 
 @pytest.mark.parametrize("zero", [0, 3])
 def test_frozen_reference_has_no_grad(zero):
-    model = worker.tiny_model()
+    model = worker.tiny_model().to(worker.DEVICE)
     ids, _ = worker.dataset(2)
     expected = model(ids).to(torch.bfloat16)
     ref = frozen(model, TrainSettings(dtype="bf16", zero_stage=zero))
@@ -164,7 +164,8 @@ def test_bf16_training_lowers_the_loss(zero):
     for _ in engine.steps():
         norm = engine.step_norm([mask[:4], mask[4:]])
         for m in (slice(0, 4), slice(4, 8)):
-            loss = aggregate(worker.per_token_loss(engine.model, ids[m], torch.ones(4)), mask[m], "token-mean", norm)
+            per_token = worker.per_token_loss(engine.model, ids[m], torch.ones(4, device=engine.device))
+            loss = aggregate(per_token, mask[m], "token-mean", norm)
             engine.backward(loss)
         engine.step()
         losses.append(loss.item())

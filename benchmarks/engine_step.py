@@ -1,0 +1,114 @@
+"""One optimizer step of the training engine (SFT loss) across dtypes and ZeRO stages.
+
+Every stage trains through `Engine`; this measures its step on a Qwen2 model of a chosen size,
+random tokens, the SFT plugin's loss (prompt half masked), for each variant in one process:
+tokens/s, the median step time, peak accelerator memory, and the ratio of each variant's step
+time to the first variant's (the baseline, fp32 ZeRO-0 by default), measured in the same run.
+
+    python benchmarks/engine_step.py --hidden 1024 --layers 12 --vocab 32000 --seq 1024 \
+        --batch 16 --micro 8 --steps 6 --variants fp32:0 bf16:0 bf16:2 bf16:3
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+from alignflow.core.engine import Engine
+from alignflow.core.models import token_logprobs
+from alignflow.core.preference import TokenBatch
+from alignflow.core.settings import TrainSettings
+from alignflow.plugins.sft import SFT
+
+
+def model(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75) // 64 * 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
+        max_position_embeddings=args.seq, tie_word_embeddings=True, use_sliding_window=False,
+    )
+    return transformers.Qwen2ForCausalLM(config).float()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run(args, dtype: str, zero: int) -> dict:
+    settings = TrainSettings(batch_size=args.batch, micro_batch_size=args.micro, lr=1e-4, dtype=dtype,
+                             zero_stage=zero, grad_clip=1.0)
+    engine = Engine.create(model(args), settings, total_steps=args.steps + 1)
+    algo = SFT(SFT.Config())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(engine.device)
+    attn = torch.ones_like(ids)
+    labels = torch.zeros_like(ids)
+    labels[:, args.seq // 2:] = 1  # the completion half, as SFT trains it
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for step in engine.steps():
+        sync()
+        start = time.perf_counter()
+        micros = [slice(i, i + args.micro) for i in range(0, args.batch, args.micro)]
+        norm = engine.step_norm([labels[m] for m in micros])
+        loss = torch.zeros((), device=engine.device)
+        for m in micros:
+            logps = token_logprobs(engine.model, ids[m], attn[m], labels[m])
+            micro_loss, _ = algo.loss(TokenBatch(logps=logps, mask=labels[m]), norm)
+            engine.backward(micro_loss)
+            loss += micro_loss.detach()
+        engine.step()
+        losses.append(loss.item())  # one sync a step, after the update
+        sync()
+        if step:  # step 0 warms the allocator and the kernels
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    tokens = args.batch * args.seq
+    t = statistics.median(times)
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"step_s": t, "tokens_per_s": tokens / t, "peak_gib": peak, "loss_first": losses[0],
+            "loss_last": losses[-1]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", default=["fp32:0", "bf16:0", "fp32:2", "fp32:3"],
+                        help="dtype:zero_stage; the first is the baseline")
+    args = parser.parse_args()
+    params = sum(p.numel() for p in model(args).parameters())
+    out = {"config": {**vars(args), "params": params,
+                      "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                      "torch": torch.__version__}, "variants": {}}
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's chatter off stdout
+        for v in args.variants:
+            dtype, zero = v.split(":")
+            out["variants"][v] = run(args, dtype, int(zero))
+    base = out["variants"][args.variants[0]]["step_s"]
+    for r in out["variants"].values():
+        r["ratio_to_baseline"] = r["step_s"] / base
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
