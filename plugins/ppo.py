@@ -36,12 +36,17 @@ class PPO(PolicyGradient):
     def uses_reference(self) -> bool:
         return super().uses_reference() or self.config.kl_coef > 0
 
-    def advantages(self, rollout: Rollout):
+    def token_rewards(self, rollout: Rollout):
+        """r_t: the reward R at the response's last token, minus beta's k1 penalty at every token."""
         c, mask = self.config, rollout.response_mask
         rewards = last_token_rewards(rollout.rewards, mask)
         if c.kl_coef > 0:
             rewards = rewards - c.kl_coef * kl_estimate(rollout.old_logprobs, rollout.ref_logprobs, "k1") * mask
-        advantages, returns = gae(rewards, rollout.values.float(), mask, c.gamma, c.lam)
+        return rewards
+
+    def advantages(self, rollout: Rollout):
+        c, mask = self.config, rollout.response_mask
+        advantages, returns = gae(self.token_rewards(rollout), rollout.values.float(), mask, c.gamma, c.lam)
         if c.whiten_advantages:
             advantages = masked_whiten(advantages, mask)
         return advantages, returns

@@ -155,10 +155,11 @@ def with_prm(ctx, tiny, tmp_path):
     ctx.inputs["prm"] = prm_checkpoint(tiny, tmp_path / "prm")
 
 
-def test_process_supervised_grpo_trains_on_prm_step_rewards(tmp_path, plugins, tiny):
+@pytest.mark.parametrize("name", ["grpo_process", "ppo_process"])
+def test_process_supervised_rl_trains_on_prm_step_rewards(tmp_path, plugins, tiny, name):
     log = []
     data = write_rows(tmp_path / "rl.jsonl", ["dead"] * 4)  # the outcome reward is 0 for every sample
-    ctx = make_ctx(tmp_path, plugins, tiny, "grpo_process", data, log, max_steps=1,
+    ctx = make_ctx(tmp_path, plugins, tiny, name, data, log, max_steps=1,
                    generation={"max_new_tokens": 24})
     with_prm(ctx, tiny, tmp_path)
     result = run_rl(ctx)
