@@ -1,6 +1,6 @@
 """Throughput of one `rl` stage step: completions/s and where the time goes, against two baselines.
 
-    python benchmarks/rl_step.py [--model builtin:tiny|PATH] [--steps 3] [--algorithm grpo]
+    python benchmarks/rl_step.py [--model builtin:tiny|PATH] [--steps 3] [--algorithm grpo] [--dtype bf16] [--zero 2]
 
 Prints JSON for the stage's step and, measured in the same process on the same rollouts (lr 0 keeps
 the policy fixed, so every variant generates the same completions; variants run interleaved so
@@ -58,7 +58,8 @@ def padded_to(width: int):
 
 def context(args, out: Path, **settings) -> StageContext:
     s = RLSettings(prompts_per_step=16, group_size=8, micro_batch_size=32, lr=0.0, max_steps=args.steps + 1,
-                   generation={"max_new_tokens": 48, "temperature": 1.0}, save_every=10**6, **settings)
+                   generation={"max_new_tokens": 48, "temperature": 1.0}, save_every=10**6, dtype=args.dtype,
+                   zero_stage=args.zero, **settings)
     inputs = {"model": args.model, "dataset": args.dataset}
     spec = StageSpec(kind="rl", inputs=inputs, algorithm=args.algorithm, rewards=["math_accuracy"], sampler="hf")
     model = args.model if args.model.startswith("builtin:") else Path(args.model)
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--dataset", default="data/rl.jsonl")
     parser.add_argument("--algorithm", default="grpo")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr):  # library chatter (DeepSpeed's op builder) off stdout
         out = measure(args)
@@ -101,7 +104,7 @@ def measure(args) -> dict:
             with padded_to(width):
                 runs["pad_to_budget"].append(rl.rl_step(ctx, parts, step))
     out = {"config": {"model": args.model, "algorithm": args.algorithm, "prompts": 16, "group_size": 8,
-                      "max_new_tokens": 48, "steps": args.steps},
+                      "max_new_tokens": 48, "steps": args.steps, "dtype": args.dtype, "zero_stage": args.zero},
            **{name: summary(r) for name, r in runs.items()}}
     lean = out["stage"]["time_s"]
     for name in ("recompute_old_logprobs", "pad_to_budget"):
