@@ -56,20 +56,25 @@ def minibatches_per_rollout(ctx: StageContext, algo) -> int:
     return rollout // size
 
 
+def engine_settings(s):
+    """The settings an engine sees: batch_size None means the whole rollout."""
+    return s.model_copy(update={"batch_size": s.batch_size or s.prompts_per_step * s.group_size})
+
+
 def load_reference(ctx: StageContext, policy_source: str):
     """The frozen reference: the `reference` input, else the initial policy."""
+    settings = engine_settings(ctx.settings)  # a ZeRO-3 reference is a DeepSpeed engine too
     if "reference" not in ctx.inputs:
-        return frozen(load_model_for(ctx, policy_source), ctx.settings)
+        return frozen(load_model_for(ctx, policy_source), settings)
     with model_source(ctx, "reference") as src:
-        return frozen(load_model_for(ctx, src), ctx.settings)
+        return frozen(load_model_for(ctx, src), settings)
 
 
 def engines(ctx: StageContext, model, critic, total: int, updates: int):
     """The policy engine (resumed) and the critic engine resumed at the policy's step."""
     s = ctx.settings
     # The engine counts optimizer steps: `updates` per rollout, checkpoints on rollout boundaries.
-    train = s.model_copy(update={"batch_size": s.batch_size or s.prompts_per_step * s.group_size,
-                                 "save_every": s.save_every * updates})
+    train = engine_settings(s).model_copy(update={"save_every": s.save_every * updates})
     torch.manual_seed(ctx.seed)
     engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
     if critic is not None:
