@@ -130,14 +130,41 @@ def token_values(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     return _score_head(model)(hidden).squeeze(-1)
 
 
+def last_values(values: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B, T] per-token values -> [B], each sequence's value at its last real token (either padding)."""
+    steps = torch.arange(values.shape[1], device=values.device)
+    last = (steps * attention_mask.long()).argmax(-1)
+    return values[torch.arange(values.shape[0], device=values.device), last]
+
+
 def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """One score per sequence [B]: the value at its last real token, for left or right padding."""
-    hidden = model.base_model(input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids(attention_mask)).last_hidden_state
-    steps = torch.arange(input_ids.shape[1], device=input_ids.device)
-    last = (steps * attention_mask.long()).argmax(-1)
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return _score_head(model)(hidden[rows, last]).squeeze(-1)
+    return last_values(token_values(model, input_ids, attention_mask), attention_mask)
+
+
+class ValueModel(torch.nn.Module):
+    """A value model as one module whose forward is `token_values`: [B, T] values.
+
+    Trainers wrap it in their engine and call the engine (`engine.model(ids, mask)`): DeepSpeed's
+    forward hooks the backward prologue that ZeRO-3 needs to accumulate micro-batch gradients, and
+    calling the classifier's parts on the engine's inner module gave ZeRO-3 wrong gradients (tested).
+    It saves as the plain transformers classifier inside.
+    """
+
+    def __init__(self, classifier: torch.nn.Module):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        return token_values(self.classifier, input_ids, attention_mask)
+
+    @property
+    def config(self):
+        return self.classifier.config
+
+    def save_pretrained(self, out, state_dict: dict[str, Tensor]) -> None:
+        prefix = "classifier."
+        self.classifier.save_pretrained(out, state_dict={k.removeprefix(prefix): v for k, v in state_dict.items()})
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.core.aggregation import aggregate
-from alignflow.core.models import token_logprobs, token_values
+from alignflow.core.models import token_logprobs
 from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
 from alignflow.flows.stages.rl_rollout import Batch
 
@@ -29,8 +29,11 @@ def widen(x: Tensor, width: int) -> Tensor:
 
 
 def critic_values(critic, ids: Tensor, attention: Tensor, mask: Tensor) -> Tensor:
-    """V(s) before each response token: the value head on the previous position (its prefix)."""
-    v = token_values(critic, ids, attention)
+    """V(s) before each response token: the value head on the previous position (its prefix).
+
+    `critic` is the critic engine's forward (a `ValueModel`): [B, T] values.
+    """
+    v = critic(ids, attention)
     return F.pad(v[:, :-1], (1, 0)).float() * mask
 
 
@@ -91,7 +94,7 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
     ids, attention, mask = batch.view(rows)
     logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
                                        return_entropy=True)
-    values = widen(critic_values(critic.module, ids, attention, mask), width) if critic is not None else None
+    values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
     view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
     per_token, metrics = algo.loss(view)
     loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import alignflow.plugins.math_shepherd
 import alignflow.plugins.pqm
@@ -193,6 +194,26 @@ def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(t
     short = ProcessReward(ProcessReward.Config(path=path, max_length=8))
     assert len(short.step_scores(["100="], ["ay bbbbbbn"])[0]) == 1
     assert len(reward.step_scores(["100="], ["ay bbbbbbn"])[0]) == 2
+
+
+def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path):
+    """Two micro-batches a step (SGD, so weights move by exactly lr x the gradient): ZeRO-3 = ZeRO-0."""
+    plugs = Plugins()
+    plugs.add(alignflow.plugins.math_shepherd, "math_shepherd")
+    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "t.jsonl", step_rows(16, 0))}
+    out = {}
+    for zero in (0, 3):
+        spec = parse_spec({"name": "prm", "stages": {"prm": {
+            "kind": "prm", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "math_shepherd",
+            "settings": {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
+                         "micro_batch_size": 4, "max_length": 32, "lr_scheduler": "constant", "step_separator": " ",
+                         "zero_stage": zero}}}}, plugins=plugs)
+        (tmp_path / f"zero{zero}").mkdir()  # the engine keeps its checkpoints beside checkpoint_dir
+        result = run_prm(context(tmp_path / f"zero{zero}", "work", PRMSettings, spec.stages["prm"], inputs, plugs))
+        out[zero] = load_file(result.outputs["model"] / "model.safetensors")
+    assert load_value_model(result.outputs["model"]).config.step_separator == " "
+    for k in out[0]:
+        torch.testing.assert_close(out[3][k], out[0][k], rtol=1e-4, atol=1e-6)
 
 
 def test_the_reward_refuses_a_model_without_a_step_separator(tmp_path):

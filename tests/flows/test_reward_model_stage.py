@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import alignflow.plugins.bradley_terry
 from alignflow.core.plugins import Plugins
@@ -57,3 +59,28 @@ def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path):
     margins = sum(c - r for c, r in zip(chosen, rejected)) / len(held_out)
     assert margins == pytest.approx(result.metrics["eval/rewards/margins"], rel=1e-4)
     assert result.headline == "eval/accuracy"
+
+
+def test_zero3_takes_the_zero0_steps(tmp_path):
+    """Two micro-batches a step under ZeRO-3 give ZeRO-0's update. SGD: the weights move by exactly
+    lr x the gradient (Adam's first steps move near-zero gradients by ~lr either way). Before the value
+    model ran through the engine's forward, ZeRO-3 moved the score head a third off."""
+    plugs = Plugins()
+    plugs.add(alignflow.plugins.bradley_terry, "bradley_terry")
+    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "train.jsonl", pairs(16, 0))}
+    out = {}
+    for zero in (0, 3):
+        spec = parse_spec({"name": "rm", "stages": {"rm": {
+            "kind": "reward_model", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "bradley_terry",
+            "settings": {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
+                         "micro_batch_size": 4, "max_length": 64, "lr_scheduler": "constant", "zero_stage": zero}}}},
+            plugins=plugs)
+        stage = spec.stages["rm"]
+        run = tmp_path / f"zero{zero}"  # the engine keeps its checkpoints beside checkpoint_dir
+        (run / "work").mkdir(parents=True)
+        ctx = StageContext("rm", stage, TrainSettings.model_validate(stage.settings), inputs, run / "work",
+                           run / "checkpoints", 0, lambda m, s: None, plugs)
+        out[zero] = load_file(run_reward_model(ctx).outputs["model"] / "model.safetensors")
+    assert out[0].keys() == out[3].keys() and "score.weight" in out[0]
+    for k in out[0]:
+        torch.testing.assert_close(out[3][k], out[0][k], rtol=1e-4, atol=1e-6)
