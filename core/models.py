@@ -131,7 +131,7 @@ def token_values(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
 
 
 def last_values(values: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T] per-token values -> [B], each sequence's value at its last real token (either padding)."""
+    """[B, T, ...] per-token values -> [B, ...], each sequence's at its last real token (either padding)."""
     steps = torch.arange(values.shape[1], device=values.device)
     last = (steps * attention_mask.long()).argmax(-1)
     return values[torch.arange(values.shape[0], device=values.device), last]
@@ -139,11 +139,13 @@ def last_values(values: Tensor, attention_mask: Tensor) -> Tensor:
 
 def sequence_scores(model, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """One score per sequence [B]: the value at its last real token, for left or right padding."""
-    return last_values(token_values(model, input_ids, attention_mask), attention_mask)
+    hidden = model.base_model(input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids(attention_mask)).last_hidden_state
+    return _score_head(model)(last_values(hidden, attention_mask)).squeeze(-1)
 
 
 class ValueModel(torch.nn.Module):
-    """A value model as one module whose forward is `token_values`: [B, T] values.
+    """A value model as one module whose forward gives its values (`token_values`, `sequence_scores`).
 
     Trainers wrap it in their engine and call the engine (`engine.model(ids, mask)`): DeepSpeed's
     forward hooks the backward prologue that ZeRO-3 needs to accumulate micro-batch gradients, and
@@ -155,7 +157,10 @@ class ValueModel(torch.nn.Module):
         super().__init__()
         self.classifier = classifier
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, last_only: bool = False) -> Tensor:
+        """[B, T] values, or with `last_only` [B]: each sequence's at its last real token."""
+        if last_only:
+            return sequence_scores(self.classifier, input_ids, attention_mask)
         return token_values(self.classifier, input_ids, attention_mask)
 
     @property

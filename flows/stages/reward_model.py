@@ -11,7 +11,7 @@ import torch
 
 from alignflow.core.data import collate, load_rows
 from alignflow.core.engine import Engine
-from alignflow.core.models import ValueModel, last_values
+from alignflow.core.models import ValueModel
 from alignflow.core.preference import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
@@ -34,21 +34,15 @@ def without_eos(rows: list[dict], eos_id: int | None) -> list[dict]:
     return out
 
 
-def both_sides(micro: dict, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen rows then rejected rows, right-padded to one width: one forward pass scores both."""
-    ids, masks = [micro[f"{side}_input_ids"] for side in SIDES], [micro[f"{side}_attention_mask"] for side in SIDES]
-    width = max(t.shape[1] for t in ids)
-    ids = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_id) for t in ids])
-    mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[1]), value=0) for m in masks])
-    return ids, mask
-
-
 def reward_feed(engine, pad_id: int, eos_id: int | None) -> Feed:
     """Pairs -> RewardBatch: chosen and rejected scored by the value model, with the optional margin."""
 
+    def score(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        ids, mask = ids.to(engine.device), mask.to(engine.device)
+        return engine.model(ids, mask, last_only=True)
+
     def batch(micro: dict) -> RewardBatch:
-        ids, mask = (t.to(engine.device) for t in both_sides(micro, pad_id))
-        chosen, rejected = last_values(engine.model(ids, mask), mask).chunk(2)
+        chosen, rejected = (score(micro[f"{side}_input_ids"], micro[f"{side}_attention_mask"]) for side in SIDES)
         margin = micro["margin"].to(engine.device, chosen.dtype) if "margin" in micro else None
         return RewardBatch(chosen, rejected, margin)
 

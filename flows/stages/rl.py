@@ -112,6 +112,9 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         reference = load_reference(ctx, src) if algo.requires_reference else None
         critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
     if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
+        if s.zero_stage == 3:  # ZeRO-3 partitions them, and the loss reads them outside any forward
+            raise SpecError(f"stage {ctx.name!r}, settings.zero_stage: {ctx.spec.algorithm.name} trains its own "
+                            "parameters in the loss, which ZeRO-3 would partition: use zero_stage 0, 1 or 2")
         model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")

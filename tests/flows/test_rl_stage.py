@@ -116,6 +116,13 @@ def test_zero3_policy_reference_and_critic_follow_zero0(tmp_path, plugins, tiny)
         torch.testing.assert_close(w3[k], w0[k], rtol=1e-4, atol=1e-6)
 
 
+def test_an_algorithm_with_its_own_parameters_refuses_zero3(tmp_path, plugins, tiny):
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "lambda_grpo", data, [], zero_stage=3)
+    with pytest.raises(SpecError, match="zero_stage: lambda_grpo trains its own parameters.*0, 1 or 2"):
+        run_rl(ctx)
+
+
 def test_a_reward_model_input_reaches_a_reward_config(tmp_path, plugins, tiny):
     # InstructGPT's PPO scores with a reward model another stage trained: `${inputs.NAME}` is its path.
     from alignflow.core.models import load_value_model
