@@ -2,12 +2,16 @@
 # The GPU paths in one run: the engine, stage and plugin tests on a CUDA machine, then the engine's
 # step across dtypes / ZeRO stages and one RL step, as JSON under $OUT (or ./device_out).
 #
-# The machine needs torch and transformers; the rest travels as wheels in .whl/ (made where pip
-# works, for the machine's Python):
+# The machine needs torch and transformers; the rest travels as wheels in .whl/, made where pip
+# works, for the machine's Python (3.12 on the H200 image checked, which lacked all of these):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl deepspeed-deps... ; pip wheel --no-deps . -w .whl
-# then there: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site.
-# Prefect is not needed: the stage runners are called directly, as their tests do.
+#       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl \
+#       hjson pydantic pydantic_core annotated-types typing-inspection datasets dill multiprocess \
+#       pyarrow math-verify latex2sympy2_extended antlr4-python3-runtime==4.13.2
+#   pip wheel --no-deps deepspeed -w .whl && pip wheel --no-deps --no-build-isolation . -w .whl
+# (pin the versions of the local venv; ~54 MB, pyarrow 50 of it), then there:
+#   pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# Prefect, MLflow and DVC are not needed: the stage runners are called directly, as their tests do.
 set -uo pipefail
 out="${OUT:-device_out}"
 mkdir -p "$out"
