@@ -47,7 +47,9 @@ def sync() -> None:
 def run(args, dtype: str, zero: int) -> dict:
     settings = TrainSettings(batch_size=args.batch, micro_batch_size=args.micro, lr=1e-4, dtype=dtype,
                              zero_stage=zero, grad_clip=1.0)
-    engine = Engine.create(model(args), settings, total_steps=args.steps + 1)
+    net = model(args)
+    params = sum(p.numel() for p in net.parameters())
+    engine = Engine.create(net, settings, total_steps=args.steps + 1)
     algo = SFT(SFT.Config())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(engine.device)
@@ -80,8 +82,8 @@ def run(args, dtype: str, zero: int) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"step_s": t, "tokens_per_s": tokens / t, "peak_gib": peak, "loss_first": losses[0],
-            "loss_last": losses[-1]}
+    return {"params": params, "step_s": t, "tokens_per_s": tokens / t, "peak_gib": peak,
+            "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def main() -> None:
@@ -96,8 +98,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["fp32:0", "bf16:0", "fp32:2", "fp32:3"],
                         help="dtype:zero_stage; the first is the baseline")
     args = parser.parse_args()
-    params = sum(p.numel() for p in model(args).parameters())
-    out = {"config": {**vars(args), "params": params,
+    out = {"config": {**vars(args),
                       "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "torch": torch.__version__}, "variants": {}}
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's chatter off stdout

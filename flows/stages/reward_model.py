@@ -11,7 +11,6 @@ import torch
 
 from alignflow.core.data import collate, load_rows
 from alignflow.core.engine import Engine
-from alignflow.core.models import ValueModel
 from alignflow.core.preference import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
@@ -62,7 +61,7 @@ def run_reward_model(ctx: StageContext) -> StageResult:
 
     steps = total_steps(len(train), s)
     torch.manual_seed(ctx.seed)
-    engine = Engine.create(ValueModel(model), s, steps, ctx.checkpoint_dir.parent)
+    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
     feed = reward_feed(engine, tokenizer.pad_token_id, tokenizer.eos_token_id)
     last = train_loop(ctx, engine, algo, train, feed)
     held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size)

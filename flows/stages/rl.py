@@ -19,7 +19,7 @@ import torch
 from alignflow.core.data import load_rows
 from alignflow.core.engine import Engine, frozen
 from alignflow.core.errors import SpecError
-from alignflow.core.models import ValueModel, token_logprobs
+from alignflow.core.models import token_logprobs
 from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
@@ -79,7 +79,7 @@ def engines(ctx: StageContext, model, critic, total: int, updates: int):
     engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
     if critic is not None:
         critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr})
-        critic = Engine.create(ValueModel(critic), critic_settings, total * updates, ctx.checkpoint_dir / "critic",
+        critic = Engine.create(critic, critic_settings, total * updates, ctx.checkpoint_dir / "critic",
                                resume=engine.step_count)
     return engine, critic
 

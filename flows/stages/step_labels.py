@@ -42,10 +42,13 @@ def run_step_labels(ctx: StageContext) -> StageResult:
             seen.add((i, text))
             solutions.append((i, text, steps, ok))
 
+    def witnessed(ok: bool) -> bool:  # with hard labels a correct solution labels its own prefixes
+        return ok and s.label == "hard"
+
     # Every prefix whose label needs rollouts, once per prompt.
     todo = list(dict.fromkeys(
         (i, prefix(steps, k, s.step_separator))
-        for i, _, steps, ok in solutions if not (ok and s.label == "hard")
+        for i, _, steps, ok in solutions if not witnessed(ok)
         for k in range(len(steps) - 1)))
     if "completer" in ctx.inputs:
         del sampler  # one model in memory at a time
@@ -54,14 +57,9 @@ def run_step_labels(ctx: StageContext) -> StageResult:
 
     out = []
     for i, text, steps, ok in solutions:
-        labels = []
-        for k in range(len(steps) - 1):
-            if ok and s.label == "hard":
-                labels.append(1)
-            else:
-                h = hits[(i, prefix(steps, k, s.step_separator))]
-                labels.append(int(h > 0) if s.label == "hard" else h / s.rollouts)
-        labels.append(int(ok))
+        counts = [s.rollouts if witnessed(ok) else hits[(i, prefix(steps, k, s.step_separator))]
+                  for k in range(len(steps) - 1)]
+        labels = [int(h > 0) if s.label == "hard" else h / s.rollouts for h in counts] + [int(ok)]
         out.append({**rows[i], "completion": text, "correct": ok, "steps": steps, "step_labels": labels})
     path = ctx.work_dir / "data.jsonl"
     write_jsonl(out, path)

@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 
 from alignflow.core.errors import SpecError
+from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
 from alignflow.core.spec import PluginRef, validate_config
 from alignflow.flows.stages import StageContext
 
@@ -25,8 +26,6 @@ def model_source(ctx: StageContext, key: str = "model") -> Iterator[str]:
         name = value[len(BUILTIN):]
         if name != "tiny":
             raise SpecError(f"stage {ctx.name!r}, inputs.{key}: unknown built-in model {name!r} (known: tiny)")
-        from alignflow.core.models import build_tiny
-
         with tempfile.TemporaryDirectory() as tmp:
             yield str(build_tiny(Path(tmp), seed=0))
         return
@@ -35,20 +34,18 @@ def model_source(ctx: StageContext, key: str = "model") -> Iterator[str]:
 
 def load_tokenizer_for(ctx: StageContext, src):
     """The stage's tokenizer, with `settings.model` options (chat template, remote code)."""
-    from alignflow.core.models import load_tokenizer
-
     o = ctx.settings.model
     return load_tokenizer(src, o.chat_template, trust_remote_code=o.trust_remote_code)
 
 
 def load_model_for(ctx: StageContext, src, *, value_head: bool = False, dtype: str | None = None):
-    """A causal LM (or a one-output value model) with `settings.model` options and the stage's dtype."""
-    from alignflow.core.models import load_model, load_value_model
-
+    """A causal LM with `settings.model` options and the stage's dtype; with `value_head`, a one-output
+    value model to train, as a `ValueModel` (its forward, run by the engine, gives the values)."""
     o = ctx.settings.model
     loader = load_value_model if value_head else load_model
-    return loader(src, dtype=dtype or getattr(ctx.settings, "dtype", "fp32"),
-                  attn_implementation=o.attn_implementation, trust_remote_code=o.trust_remote_code)
+    model = loader(src, dtype=dtype or getattr(ctx.settings, "dtype", "fp32"),
+                   attn_implementation=o.attn_implementation, trust_remote_code=o.trust_remote_code)
+    return ValueModel(model) if value_head else model
 
 
 def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):

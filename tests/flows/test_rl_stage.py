@@ -180,11 +180,10 @@ def with_prm(ctx, tiny, tmp_path):
     ctx.inputs["prm"] = prm_checkpoint(tiny, tmp_path / "prm")
 
 
-@pytest.mark.parametrize("name", ["grpo_process", "ppo_process"])
-def test_process_supervised_rl_trains_on_prm_step_rewards(tmp_path, plugins, tiny, name):
+def test_process_supervised_grpo_trains_on_prm_step_rewards(tmp_path, plugins, tiny):
     log = []
     data = write_rows(tmp_path / "rl.jsonl", ["dead"] * 4)  # the outcome reward is 0 for every sample
-    ctx = make_ctx(tmp_path, plugins, tiny, name, data, log, max_steps=1,
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo_process", data, log, max_steps=1,
                    generation={"max_new_tokens": 24})
     with_prm(ctx, tiny, tmp_path)
     result = run_rl(ctx)
@@ -194,6 +193,20 @@ def test_process_supervised_rl_trains_on_prm_step_rewards(tmp_path, plugins, tin
     assert metrics["advantages/std"] > 0
     before, after = weights(tiny), weights(result.outputs["model"])
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_step_by_step_ppo_learns_from_the_step_rewards(tmp_path, plugins, tiny):
+    """The outcome reward is 0 for every sample and the KL weight is PPO's: ppo_process differs from
+    ppo only by the PRM's step rewards, so the updates differ, while ppo run twice is the same."""
+    data = write_rows(tmp_path / "rl.jsonl", ["dead"] * 4)
+    out = []
+    for i, name in enumerate(["ppo", "ppo", "ppo_process"]):
+        ctx = make_ctx(tmp_path / str(i), plugins, tiny, {"name": name, "config": {"kl_coef": 0.05}}, data, [],
+                       max_steps=1, generation={"max_new_tokens": 24})
+        with_prm(ctx, tiny, tmp_path / str(i))
+        out.append(weights(run_rl(ctx).outputs["model"]))
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+    assert any(not torch.equal(out[0][k], out[2][k]) for k in out[0])
 
 
 def test_process_supervised_grpo_needs_a_reward_that_scores_steps(tmp_path, plugins, tiny):
