@@ -8,6 +8,10 @@ from plain data, sends its step metrics back as they come (the parent logs them 
 ends with the result or the error. A stage gives the same result in either place: same seed, same
 code, and the same share of torch threads (flows/execute.py gives both the same). A child stops
 when the pipeline's process dies, so no orphan keeps writing into a stage that a rerun resumes.
+
+With `ranks > 1` the stage runs data-parallel: one child per rank in one process group (as torchrun
+would start them: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), rank 0 reporting metrics and the
+result, and every rank's error reaching the parent.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import socket
 import threading
 import time
 import traceback
@@ -83,7 +88,7 @@ def can_run_in_child(plugins) -> bool:
 
 
 def _payload(kind: str, ctx: StageContext, threads: int) -> dict:
-    return {
+    return {"rank_env": {},
         "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
         "settings": ctx.settings.model_dump(mode="json", by_alias=True),
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
@@ -109,9 +114,15 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
         if os.environ.pop(OWN_GROUP_MARK, None):  # the parent's one-process group is not ours
             for var in _OWN_GROUP_VARS:
                 os.environ.pop(var, None)
+        os.environ.update(payload["rank_env"])
+        rank = int(payload["rank_env"].get("RANK", 0))
         from alignflow.flows.cli import configure_logging
 
         configure_logging()  # the parent's progress lines, in the same format
+        if rank:
+            import logging
+
+            logging.getLogger("alignflow").setLevel(logging.WARNING)  # rank 0 speaks for the stage
         import torch
 
         from alignflow.core.plugins import get_plugins
@@ -128,48 +139,78 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
             settings=settings_model(payload["kind"]).model_validate(payload["settings"]),
             inputs={k: Path(v) if is_path else v for k, (is_path, v) in payload["inputs"].items()},
             work_dir=Path(payload["work_dir"]), checkpoint_dir=Path(payload["checkpoint_dir"]),
-            seed=payload["seed"], log_metrics=lambda metrics, step: out.put(("metrics", metrics, step)),
-            plugins=plugins,
+            seed=payload["seed"], plugins=plugins,
+            log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
         )
         result = RUNNERS[payload["kind"]](ctx)
-        out.put(("result", {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline))
+        out.put(("result", rank, {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         try:  # the exception itself when it pickles, so the parent raises what the runner raised
             pickle.loads(pickle.dumps(exc))
         except Exception:
             exc = None
-        out.put(("error", exc, traceback.format_exc()))
+        out.put(("error", rank, exc, traceback.format_exc()))
 
 
-def run_in_child(kind: str, ctx: StageContext, threads: int) -> StageResult:
-    """Run `RUNNERS[kind](ctx)` in a spawned child with `threads` torch threads; metrics reach
-    `ctx.log_metrics` as they come."""
+def _ignore(metrics, step) -> None:
+    """Ranks other than 0 log nothing: rank 0's metrics are the stage's."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1) -> StageResult:
+    """Run `RUNNERS[kind](ctx)` in spawned children, `ranks` of them data-parallel, each with `threads`
+    torch threads; rank 0's metrics reach `ctx.log_metrics` as they come and its result is returned."""
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
-    child = mp.Process(target=_child_main, args=(_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")
-    child.start()
+    port = _free_port() if ranks > 1 else None
+    children = []
+    for rank in range(ranks):
+        payload = _payload(kind, ctx, threads)
+        if ranks > 1:
+            payload["rank_env"] = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                                   "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}
+        name = f"alignflow-{ctx.name}" + (f"-rank{rank}" if ranks > 1 else "")
+        children.append(mp.Process(target=_child_main, args=(payload, out), name=name))
+    for child in children:
+        child.start()
+    finished, result, ok = set(), None, False
     try:
-        while True:
+        while len(finished) < ranks:
             try:
                 message = out.get(timeout=1.0)
             except queue_mod.Empty:
-                if not child.is_alive():
-                    raise ChildFailed(f"stage {ctx.name!r}: its process exited with code {child.exitcode} "
-                                      "without a result (killed?)") from None
+                for rank, child in enumerate(children):
+                    if rank not in finished and not child.is_alive():
+                        where = f"its rank {rank} process" if ranks > 1 else "its process"
+                        raise ChildFailed(f"stage {ctx.name!r}: {where} exited with code {child.exitcode} "
+                                          "without a result (killed?)") from None
                 continue
             if message[0] == "metrics":
                 ctx.log_metrics(message[1], message[2])
             elif message[0] == "error":
-                _, exc, trace = message
+                _, rank, exc, trace = message
+                where = f"the stage's rank {rank} process" if ranks > 1 else "the stage's process"
                 if exc is None:
-                    raise ChildFailed(f"stage {ctx.name!r} failed in its process:\n{trace.rstrip()}")
-                exc.add_note(f"--- in the stage's process:\n{trace.rstrip()}")
+                    raise ChildFailed(f"stage {ctx.name!r} failed in {where}:\n{trace.rstrip()}")
+                exc.add_note(f"--- in {where}:\n{trace.rstrip()}")
                 raise exc
             else:
-                _, outputs, metrics, headline = message
-                return StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+                _, rank, outputs, metrics, headline = message
+                finished.add(rank)
+                if rank == 0:
+                    result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+        ok = True
+        return result
     finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-            child.join()
+        for child in children:
+            if ok:
+                child.join(timeout=30)
+            if child.is_alive():  # a failed rank leaves the others waiting in a collective
+                child.kill()
+                child.join()

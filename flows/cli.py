@@ -64,14 +64,25 @@ def _stage_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _process_count(text: str) -> int:
+    from alignflow.flows.execute import stage_count
+
+    try:
+        return stage_count(text, "--nproc", "processes")
+    except AlignflowError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
-    from alignflow.flows.execute import PARALLEL_ENV
+    from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
     from alignflow.flows.pipeline import run_pipeline
     from alignflow.flows.report import write_curves, write_metrics
 
     if args.parallel is not None:
         os.environ[PARALLEL_ENV] = str(args.parallel)
+    if args.nproc is not None:
+        os.environ[NPROC_ENV] = str(args.nproc)
     report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
     report.render(err_console if args.json else console)
     if args.metrics:
@@ -143,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
     p.add_argument("--parallel", type=_stage_count, metavar="N", help="training stages that may run at once, each on "
                    "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
+    p.add_argument("--nproc", type=_process_count, metavar="N", help="data-parallel processes for each sft, "
+                   "reward_model, prm and preference stage: one per GPU, as torchrun's --nproc_per_node "
+                   "(default: $ALIGNFLOW_NPROC, else 1)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("data", help=cmd_data.__doc__)

@@ -43,6 +43,10 @@ class StageOutcome:
 # process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
 THREAD_SAFE_KINDS = frozenset({"select"})
 PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
+# Stage kinds whose runners split each step's rows over the ranks of a process group; the others
+# (sampling, RL) run on one process whatever `--nproc` says.
+DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference"})
+NPROC_ENV = "ALIGNFLOW_NPROC"
 _exclusive = threading.Lock()
 _slots: dict[int, threading.Semaphore] = {}
 _slots_lock = threading.Lock()
@@ -59,11 +63,20 @@ def parallel_stages() -> int:
     return stage_count(value, PARALLEL_ENV)
 
 
-def stage_count(text: str, where: str) -> int:
-    """A number of stages, at least 1, from `text`; else a SpecError naming `where`."""
+def stage_count(text: str, where: str, what: str = "stages") -> int:
+    """A number of stages (or `what`), at least 1, from `text`; else a SpecError naming `where`."""
     if not text.isdigit() or int(text) < 1:
-        raise SpecError(f"{where}={text!r}: expected a whole number of stages, at least 1")
+        raise SpecError(f"{where}={text!r}: expected a whole number of {what}, at least 1")
     return int(text)
+
+
+def data_parallel_ranks(kind: str) -> int:
+    """Processes a stage of `kind` trains on: $ALIGNFLOW_NPROC (`alignflow run --nproc`) for the
+    data-parallel kinds, else 1."""
+    value = os.environ.get(NPROC_ENV)
+    if value is None or kind not in DATA_PARALLEL_KINDS:
+        return 1
+    return stage_count(value, NPROC_ENV, "processes")
 
 
 def _slot(n: int) -> threading.Semaphore:
@@ -80,7 +93,16 @@ def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResu
         started.append(time.time())
         return RUNNERS[kind](ctx)
     n = parallel_stages()
+    ranks = data_parallel_ranks(kind)
     with _slot(n):
+        if ranks > 1:
+            if not can_run_in_child(ctx.plugins):
+                raise SpecError(f"stage {ctx.name!r}: {NPROC_ENV}={ranks} starts one process per rank, which "
+                                "cannot rebuild plugins defined in __main__ or inside a function, nor run "
+                                "under another launcher's process group")
+            started.append(time.time())
+            threads = _share(_user_threads or torch.get_num_threads(), n)
+            return run_in_child(kind, ctx, threads=max(1, threads // ranks), ranks=ranks)
         if _exclusive.acquire(blocking=False):
             return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):

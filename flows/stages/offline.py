@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from alignflow.core.aggregation import StepNorm
 from alignflow.core.data import load_rows, tokenize
@@ -48,6 +49,19 @@ class Tally:
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.weights[k] for k in self.sums}
+
+    def over_ranks(self, loss: float) -> tuple[dict[str, float], float]:
+        """(the means over every rank's examples, `loss` summed over ranks: each holds its share)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.means(), loss
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, (self.sums, self.weights, loss))
+        total = Tally()
+        for sums, weights, _ in parts:
+            for key in sums:
+                total.sums[key] = total.sums.get(key, 0.0) + sums[key]
+                total.weights[key] = total.weights.get(key, 0.0) + weights[key]
+        return total.means(), sum(part[2] for part in parts)
 
 
 def eval_rows(ctx: StageContext, schema: str):
@@ -100,7 +114,8 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
                 engine.backward(micro_loss)
                 loss += micro_loss.item()  # step shares: their sum is the step's loss
                 tally.add(metrics, feed.weight(micro))
-            last = {**tally.means(), "loss": loss, **engine.step()}
+            means, loss = tally.over_ranks(loss)
+            last = {**means, "loss": loss, **engine.step()}
             bar.update(**last)
             if engine.step_count % s.log_every == 0 or engine.step_count == engine.total_steps:
                 ctx.log_metrics(last, engine.step_count)

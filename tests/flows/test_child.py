@@ -19,7 +19,7 @@ from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.child import ChildFailed, plugin_recipe, run_in_child
-from alignflow.flows.execute import PARALLEL_ENV, parallel_stages
+from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV, data_parallel_ranks, parallel_stages
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.sft import run_sft
 
@@ -63,6 +63,23 @@ def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
     assert child_logged == here_logged and {2, 4} <= {s for s, _ in child_logged}
     a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, child))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data):
+    # 8 rows a step: here two micro-batches of 4 accumulated, there 4 rows on each of two ranks
+    here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4, micro_batch_size=4)
+    here = run_sft(here_ctx)
+    ranks_ctx, ranks_logged = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4)
+    ranks = run_in_child("sft", ranks_ctx, threads=1, ranks=2)
+    # rank 0 logs once for the stage, and its loss and accuracy are over both ranks' rows (its own
+    # share of the loss alone would be about half)
+    assert [s for s, _ in ranks_logged] == [s for s, _ in here_logged]
+    for (_, a), (_, b) in zip(here_logged, ranks_logged):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, ranks))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
 
 
 def test_a_child_raises_what_the_runner_raised(tmp_path, data):
@@ -160,3 +177,14 @@ def test_plugin_recipe_rebuilds_importable_plugins_and_refuses_local_ones():
     own = Plugins()
     own.add(Local, "local")
     assert plugin_recipe(own) is None
+
+
+def test_nproc_applies_to_the_data_parallel_stage_kinds_only(monkeypatch):
+    monkeypatch.setenv(NPROC_ENV, "2")
+    assert [data_parallel_ranks(k) for k in ("sft", "reward_model", "prm", "preference")] == [2, 2, 2, 2]
+    assert [data_parallel_ranks(k) for k in ("rl", "rejection_sampling", "evaluate", "select")] == [1, 1, 1, 1]
+    monkeypatch.setenv(NPROC_ENV, "two")
+    with pytest.raises(SpecError, match="ALIGNFLOW_NPROC='two': expected a whole number of processes"):
+        data_parallel_ranks("sft")
+    monkeypatch.delenv(NPROC_ENV)
+    assert data_parallel_ranks("sft") == 1

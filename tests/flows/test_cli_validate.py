@@ -57,6 +57,11 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert ("sampler", "hf") in names
 
 
+def test_run_refuses_a_bad_process_count_before_any_work(pipeline):
+    done = alignflow("run", pipeline(PIPELINE), "--nproc", "0")
+    assert done.returncode == 2 and "--nproc='0': expected a whole number of processes" in done.stderr
+
+
 def test_validate_prints_the_dag(pipeline):
     out = alignflow("validate", pipeline(PIPELINE))
     assert out.returncode == 0, out.stderr

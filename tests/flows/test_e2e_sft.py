@@ -136,6 +136,20 @@ def test_a_stage_run_beside_a_sibling_gives_the_weights_it_gives_alone(first, pr
     assert stage(alone, "sft_c").metrics == stage(first, "sft_c").metrics
 
 
+def test_a_stage_on_two_ranks_lands_where_one_process_does(first, project, tmp_path, monkeypatch):
+    # `alignflow run --nproc 2`: sft_c on two data-parallel processes, 4 rows each of its 8 a step
+    monkeypatch.setenv("ALIGNFLOW_NPROC", "2")
+    data, sft_c = STAGES.split("  sft_a:")[0], "  sft_c:" + DESCENDANTS.split("  sft_c:")[1]
+    (project / "ranks.yaml").write_text(HEAD + data + sft_c)
+    ranks = run_pipeline(project / "ranks.yaml", ["sft_c.settings.micro_batch_size=4"], project,
+                         tmp_path / "artifacts")
+    assert statuses(ranks) == {"data": "ran", "sft_c": "ran"}
+    one, two = weights(first, "sft_c"), weights(ranks, "sft_c")
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    for key, value in stage(first, "sft_c").metrics.items():
+        assert stage(ranks, "sft_c").metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
 def test_second_run_is_all_cached_and_fast(first, project):
     again = run_pipeline(project / "pipeline.yaml", [], project)
     print(f"cached rerun: {again.seconds:.2f} s inside the flow")
