@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from alignflow.flows.plan import StagePlan
 from alignflow.flows.child import can_run_in_child, run_in_child
 from alignflow.flows.stages import OUTPUT_OF_INPUT, RUNNERS, StageContext, StageResult
 from alignflow.flows.tracking import StageRun, Tracker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,9 +77,15 @@ def data_parallel_ranks(kind: str) -> int:
     """Processes a stage of `kind` trains on: $ALIGNFLOW_NPROC (`alignflow run --nproc`) for the
     data-parallel kinds, else 1."""
     value = os.environ.get(NPROC_ENV)
-    if value is None or kind not in DATA_PARALLEL_KINDS:
+    if value is None:
         return 1
-    return stage_count(value, NPROC_ENV, "processes")
+    ranks = stage_count(value, NPROC_ENV, "processes")
+    if kind not in DATA_PARALLEL_KINDS:
+        if ranks > 1:
+            log.info("a %s stage runs on one process: %s=%d applies to %s stages", kind, NPROC_ENV, ranks,
+                     ", ".join(sorted(DATA_PARALLEL_KINDS)))
+        return 1
+    return ranks
 
 
 def _slot(n: int) -> threading.Semaphore:
