@@ -50,15 +50,19 @@ log = logging.getLogger(__name__)
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config at INFO
 
 
+def free_port() -> int:
+    """A free local port for a process group's rendezvous, so concurrent groups do not collide."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed() -> None:
     """Join the launcher's process group, or form a one-process group when run without a launcher."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        with socket.socket() as s:  # a free port, so concurrent single-process runs do not collide
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                           ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

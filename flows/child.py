@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
-import socket
 import threading
 import time
 import traceback
@@ -87,9 +86,9 @@ def can_run_in_child(plugins) -> bool:
     return not launched and plugin_recipe(plugins) is not None
 
 
-def _payload(kind: str, ctx: StageContext, threads: int) -> dict:
-    return {"rank_env": {},
-        "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
+def _payload(kind: str, ctx: StageContext, threads: int, rank_env: dict[str, str]) -> dict:
+    return {
+        "rank_env": rank_env, "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
         "settings": ctx.settings.model_dump(mode="json", by_alias=True),
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
@@ -156,10 +155,15 @@ def _ignore(metrics, step) -> None:
     """Ranks other than 0 log nothing: rank 0's metrics are the stage's."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_envs(ranks: int) -> list[dict[str, str]]:
+    """Each rank's process-group variables, as torchrun sets them; none for a single process."""
+    if ranks == 1:
+        return [{}]
+    from alignflow.core.engine import free_port
+
+    shared = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(free_port())}
+    return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)]
 
 
 def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1) -> StageResult:
@@ -167,50 +171,52 @@ def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1) -> 
     torch threads; rank 0's metrics reach `ctx.log_metrics` as they come and its result is returned."""
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
-    port = _free_port() if ranks > 1 else None
-    children = []
-    for rank in range(ranks):
-        payload = _payload(kind, ctx, threads)
-        if ranks > 1:
-            payload["rank_env"] = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-                                   "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}
-        name = f"alignflow-{ctx.name}" + (f"-rank{rank}" if ranks > 1 else "")
-        children.append(mp.Process(target=_child_main, args=(payload, out), name=name))
+    children = [mp.Process(target=_child_main, args=(_payload(kind, ctx, threads, env), out),
+                           name=f"alignflow-{ctx.name}" + (f"-rank{rank}" if ranks > 1 else ""))
+                for rank, env in enumerate(_rank_envs(ranks))]
     for child in children:
         child.start()
-    finished, result, ok = set(), None, False
     try:
-        while len(finished) < ranks:
-            try:
-                message = out.get(timeout=1.0)
-            except queue_mod.Empty:
-                for rank, child in enumerate(children):
-                    if rank not in finished and not child.is_alive():
-                        where = f"its rank {rank} process" if ranks > 1 else "its process"
-                        raise ChildFailed(f"stage {ctx.name!r}: {where} exited with code {child.exitcode} "
-                                          "without a result (killed?)") from None
-                continue
-            if message[0] == "metrics":
-                ctx.log_metrics(message[1], message[2])
-            elif message[0] == "error":
-                _, rank, exc, trace = message
-                where = f"the stage's rank {rank} process" if ranks > 1 else "the stage's process"
-                if exc is None:
-                    raise ChildFailed(f"stage {ctx.name!r} failed in {where}:\n{trace.rstrip()}")
-                exc.add_note(f"--- in {where}:\n{trace.rstrip()}")
-                raise exc
-            else:
-                _, rank, outputs, metrics, headline = message
-                finished.add(rank)
-                if rank == 0:
-                    result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
-        ok = True
-        return result
+        return _collect(ctx, children, out)
+    except BaseException:
+        for child in children:  # a failed rank leaves the others waiting in a collective
+            child.kill()
+        raise
     finally:
         for child in children:
-            if ok:
-                child.join(timeout=30)
-            if child.is_alive():  # a failed rank leaves the others waiting in a collective
+            child.join(timeout=30)
+            if child.is_alive():
                 child.kill()
                 child.join()
+
+
+def _collect(ctx: StageContext, children: list, out) -> StageResult:
+    """Relay rank 0's metrics until every rank has its result; raise the first error or death."""
+    ranks, finished, result = len(children), set(), None
+
+    def place(rank: int) -> str:
+        return f"the stage's rank {rank} process" if ranks > 1 else "the stage's process"
+
+    while len(finished) < ranks:
+        try:
+            message = out.get(timeout=1.0)
+        except queue_mod.Empty:
+            for rank, child in enumerate(children):
+                if rank not in finished and not child.is_alive():
+                    raise ChildFailed(f"stage {ctx.name!r}: {place(rank)} exited with code {child.exitcode} "
+                                      "without a result (killed?)") from None
+            continue
+        if message[0] == "metrics":
+            ctx.log_metrics(message[1], message[2])
+        elif message[0] == "error":
+            _, rank, exc, trace = message
+            if exc is None:
+                raise ChildFailed(f"stage {ctx.name!r} failed in {place(rank)}:\n{trace.rstrip()}")
+            exc.add_note(f"--- in {place(rank)}:\n{trace.rstrip()}")
+            raise exc
+        else:
+            _, rank, outputs, metrics, headline = message
+            finished.add(rank)
+            if rank == 0:
+                result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+    return result

@@ -110,8 +110,8 @@ def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResu
                                 "cannot rebuild plugins defined in __main__ or inside a function, nor run "
                                 "under another launcher's process group")
             started.append(time.time())
-            threads = _share(_user_threads or torch.get_num_threads(), n)
-            return run_in_child(kind, ctx, threads=max(1, threads // ranks), ranks=ranks)
+            threads = _share(_share(_user_threads or torch.get_num_threads(), n), ranks)
+            return run_in_child(kind, ctx, threads=threads, ranks=ranks)
         if _exclusive.acquire(blocking=False):
             return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):

@@ -28,6 +28,13 @@ def local_mlflow(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+@pytest.fixture
+def sgd_two_micro_batches() -> dict:
+    """Stage settings: plain SGD over two micro-batches a step, so the weights move by exactly lr x the
+    gradient and two ways of computing the same step (ZeRO stages) must land on the same weights."""
+    return {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
+            "micro_batch_size": 4, "lr_scheduler": "constant"}
+
 PROMPTS = ["1+1", "2+2", "1+1", "3+3", "4+4", "2+2", "5+5", "6+6", "7+7", "8+8"]
 
 # a -> b -> c, and d, a sibling of b reading from a.

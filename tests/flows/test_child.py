@@ -80,6 +80,9 @@ def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, 
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, ranks))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    # two processes did train: the last checkpoint holds a random state per rank
+    states = {run: sorted(p.name for p in (tmp_path / run).rglob("rng-rank*.pt")) for run in ("here", "ranks")}
+    assert states == {"here": ["rng-rank0.pt"], "ranks": ["rng-rank0.pt", "rng-rank1.pt"]}
 
 
 def test_a_child_raises_what_the_runner_raised(tmp_path, data):

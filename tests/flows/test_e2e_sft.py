@@ -141,9 +141,12 @@ def test_a_stage_on_two_ranks_lands_where_one_process_does(first, project, tmp_p
     monkeypatch.setenv("ALIGNFLOW_NPROC", "2")
     data, sft_c = STAGES.split("  sft_a:")[0], "  sft_c:" + DESCENDANTS.split("  sft_c:")[1]
     (project / "ranks.yaml").write_text(HEAD + data + sft_c)
+    # the two processes reach the engine: sft_c's 8 rows a step cannot split into micro-batches of 8 on each
+    refused = run_pipeline(project / "ranks.yaml", [], project, tmp_path / "artifacts")
+    assert "world size 2" in stage(refused, "sft_c").error
     ranks = run_pipeline(project / "ranks.yaml", ["sft_c.settings.micro_batch_size=4"], project,
                          tmp_path / "artifacts")
-    assert statuses(ranks) == {"data": "ran", "sft_c": "ran"}
+    assert statuses(ranks) == {"data": "cached", "sft_c": "ran"}  # data ran in the refused run
     one, two = weights(first, "sft_c"), weights(ranks, "sft_c")
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
     for key, value in stage(first, "sft_c").metrics.items():

@@ -196,7 +196,7 @@ def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(t
     assert len(reward.step_scores(["100="], ["ay bbbbbbn"])[0]) == 2
 
 
-def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path):
+def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches):
     """Two micro-batches a step (SGD, so weights move by exactly lr x the gradient): ZeRO-3 = ZeRO-0."""
     plugs = Plugins()
     plugs.add(alignflow.plugins.math_shepherd, "math_shepherd")
@@ -205,9 +205,8 @@ def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path):
     for zero in (0, 3):
         spec = parse_spec({"name": "prm", "stages": {"prm": {
             "kind": "prm", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "math_shepherd",
-            "settings": {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
-                         "micro_batch_size": 4, "max_length": 32, "lr_scheduler": "constant", "step_separator": " ",
-                         "zero_stage": zero}}}}, plugins=plugs)
+            "settings": {**sgd_two_micro_batches, "max_length": 32, "step_separator": " ", "zero_stage": zero}}}},
+            plugins=plugs)
         (tmp_path / f"zero{zero}").mkdir()  # the engine keeps its checkpoints beside checkpoint_dir
         result = run_prm(context(tmp_path / f"zero{zero}", "work", PRMSettings, spec.stages["prm"], inputs, plugs))
         out[zero] = load_file(result.outputs["model"] / "model.safetensors")

@@ -61,7 +61,7 @@ def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path):
     assert result.headline == "eval/accuracy"
 
 
-def test_zero3_takes_the_zero0_steps(tmp_path):
+def test_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches):
     """Two micro-batches a step under ZeRO-3 give ZeRO-0's update. SGD: the weights move by exactly
     lr x the gradient (Adam's first steps move near-zero gradients by ~lr either way). Before the value
     model ran through the engine's forward, ZeRO-3 moved the score head a third off."""
@@ -72,9 +72,7 @@ def test_zero3_takes_the_zero0_steps(tmp_path):
     for zero in (0, 3):
         spec = parse_spec({"name": "rm", "stages": {"rm": {
             "kind": "reward_model", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "bradley_terry",
-            "settings": {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
-                         "micro_batch_size": 4, "max_length": 64, "lr_scheduler": "constant", "zero_stage": zero}}}},
-            plugins=plugs)
+            "settings": {**sgd_two_micro_batches, "max_length": 64, "zero_stage": zero}}}}, plugins=plugs)
         stage = spec.stages["rm"]
         run = tmp_path / f"zero{zero}"  # the engine keeps its checkpoints beside checkpoint_dir
         (run / "work").mkdir(parents=True)
