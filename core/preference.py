@@ -20,7 +20,7 @@ the counts itself, so a stage computes one thing for every algorithm and caches 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Literal
+from typing import Callable, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -99,15 +99,32 @@ class StepBatch:
     mask: Tensor  # [B, S] 1 on real steps, 0 on padding
 
 
+class Mean(NamedTuple):
+    """A metric that is a mean over `count` of the micro-batch's examples, not over all of them.
+
+    A step's value is then the mean over those examples of every micro-batch, whatever the grouping.
+    """
+
+    value: Tensor
+    count: float
+
+
 class OfflineAlgorithm(Algorithm):
-    """An algorithm trained from a fixed dataset: `loss(batch, norm) -> (step-share loss, metrics)`."""
+    """An algorithm trained from a fixed dataset: `loss(batch, norm) -> (step-share loss, metrics)`.
+
+    A metric is a micro-batch mean over its examples, or a `Mean` over some of them.
+    """
 
     batch_type: ClassVar[type]  # the batch dataclass `loss` takes
     needs_kl_pairs: ClassVar[bool] = False  # log-probs of mismatched prompt/completion pairs (KTO)
     nll_scope: NllScope | None = None  # which chosen tokens an added NLL term covers; None: no NLL term
 
-    def loss(self, batch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(self, batch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor | Mean]]:
         raise NotImplementedError
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        """The step's metrics from the means over its micro-batches: metrics that are not means go here."""
+        return means
 
 
 class PreferenceAlgorithm(OfflineAlgorithm):

@@ -6,7 +6,7 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
 from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import OfflineAlgorithm, UnpairedBatch, example_mean
+from alignflow.core.preference import Mean, OfflineAlgorithm, UnpairedBatch, example_mean
 
 
 def reference_point(kl_logratios: torch.Tensor) -> torch.Tensor:
@@ -46,17 +46,27 @@ class KTO(OfflineAlgorithm):
         return example_mean(losses, norm), self.metrics(losses, beta * logratios, desirable, beta * z_ref)
 
     @torch.no_grad()
-    def metrics(self, losses, rewards, desirable, beta_z_ref) -> dict[str, torch.Tensor]:
-        """Rewards are beta * log-ratio; an example is "accurate" when it sits on its label's side of z_ref."""
-        chosen, rejected = rewards[desirable].mean(), rewards[~desirable].mean()  # NaN when empty
+    def metrics(self, losses, rewards, desirable, beta_z_ref) -> dict[str, torch.Tensor | Mean]:
+        """Rewards are beta * log-ratio; an example is "accurate" when it sits on its label's side of z_ref.
+
+        The chosen (rejected) reward is a mean over the desirable (undesirable) examples alone (NaN when
+        there are none), so a step's margin is taken between the step's two means (`summarize`).
+        """
+        chosen, rejected = rewards[desirable].mean(), rewards[~desirable].mean()
+        n_desirable = int(desirable.sum())
         return {
             "loss": losses.mean(),
-            "rewards/chosen": chosen,
-            "rewards/rejected": rejected,
+            "rewards/chosen": Mean(chosen, n_desirable),
+            "rewards/rejected": Mean(rejected, len(rewards) - n_desirable),
             "rewards/margins": chosen - rejected,
             "rewards/accuracies": ((rewards > beta_z_ref) == desirable).float().mean(),
             "kl": beta_z_ref / self.config.beta,
         }
+
+    def summarize(self, means: dict[str, float]) -> dict[str, float]:
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            return {**means, "rewards/margins": means["rewards/chosen"] - means["rewards/rejected"]}
+        return means
 
 
 @hookimpl

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from alignflow.core.aggregation import StepNorm
 from alignflow.core.data import load_rows, tokenize
 from alignflow.core.errors import DataError
+from alignflow.core.preference import Mean
 from alignflow.core.progress import progress
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.training import micro_slices, step_rows
@@ -34,18 +35,22 @@ class Feed:
 
 
 class Tally:
-    """Example-weighted means of micro-batch metrics; NaN (a metric with no example) is skipped."""
+    """Example-weighted means of micro-batch metrics; NaN (a metric with no example) is skipped.
+
+    A micro-batch's metric weighs its examples (`weight`), or its own count when it is a `Mean`.
+    """
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
 
-    def add(self, metrics: dict[str, torch.Tensor], weight: float) -> None:
+    def add(self, metrics: dict[str, torch.Tensor | Mean], weight: float) -> None:
         for key, value in metrics.items():
-            value = float(value)
-            if not math.isnan(value):
-                self.sums[key] = self.sums.get(key, 0.0) + weight * value
-                self.weights[key] = self.weights.get(key, 0.0) + weight
+            value, count = (value.value, value.count) if isinstance(value, Mean) else (value, weight)
+            value, count = float(value), float(count)
+            if not math.isnan(value) and count > 0:
+                self.sums[key] = self.sums.get(key, 0.0) + count * value
+                self.weights[key] = self.weights.get(key, 0.0) + count
 
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.weights[k] for k in self.sums}
@@ -115,7 +120,7 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
                 loss += micro_loss.item()  # step shares: their sum is the step's loss
                 tally.add(metrics, feed.weight(micro))
             means, loss = tally.over_ranks(loss)
-            last = {**means, "loss": loss, **engine.step()}
+            last = {**algo.summarize(means), "loss": loss, **engine.step()}
             bar.update(**last)
             if engine.step_count % s.log_every == 0 or engine.step_count == engine.total_steps:
                 ctx.log_metrics(last, engine.step_count)
@@ -140,7 +145,7 @@ def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, fl
         loss += micro_loss.item()
         tally.add(metrics, feed.weight(m))
     engine.model.train()
-    return {**tally.means(), "loss": loss}
+    return {**algo.summarize(tally.means()), "loss": loss}
 
 
 def final_metrics(train: dict[str, float], held_out: dict[str, float], steps: int) -> dict[str, float]:

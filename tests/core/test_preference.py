@@ -6,7 +6,7 @@ import torch
 from alignflow.core import get_plugins
 from alignflow.core.aggregation import StepNorm
 from alignflow.core.preference import (
-    OfflineAlgorithm, SequenceLogps, build_batch, example_mean, mismatched_pairs, per_token, reward_metrics,
+    Mean, OfflineAlgorithm, SequenceLogps, build_batch, example_mean, mismatched_pairs, per_token, reward_metrics,
 )
 
 OFFLINE = {"sft": "sft", "bradley_terry": "reward_model", "dpo": "preference", "ipo": "preference",
@@ -85,7 +85,8 @@ def test_one_generic_builder_serves_every_preference_algorithm(name):
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss)
     for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
-        assert key in metrics and not metrics[key].requires_grad, key
+        value = metrics[key].value if isinstance(metrics.get(key), Mean) else metrics.get(key)
+        assert value is not None and not value.requires_grad, key
     trained = policy.leaves.get(("chosen", "completion"), policy.leaves.get(("completion", "completion")))
     assert trained.grad is not None and trained.grad.abs().sum() > 0
     if algo.needs_kl_pairs:

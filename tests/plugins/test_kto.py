@@ -32,8 +32,9 @@ def test_loss_matches_the_halos_form():
     expected = ((1 - sigmoid(0.1 * (r[0] - z))) + (1 - sigmoid(0.1 * (z - r[1]))) + (1 - sigmoid(0.1 * (r[2] - z)))) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     assert metrics["kl"].item() == pytest.approx(z, rel=1e-12)
-    assert metrics["rewards/chosen"].item() == pytest.approx((0.1 * 1.0 + 0.1 * 0.5) / 2)
-    assert metrics["rewards/rejected"].item() == pytest.approx(0.1 * -1.0)
+    chosen, rejected = metrics["rewards/chosen"], metrics["rewards/rejected"]  # means over 2 rows and 1
+    assert (chosen.value.item(), chosen.count) == (pytest.approx((0.1 * 1.0 + 0.1 * 0.5) / 2), 2)
+    assert (rejected.value.item(), rejected.count) == (pytest.approx(0.1 * -1.0), 1)
     assert metrics["rewards/margins"].item() == pytest.approx(0.075 - -0.1)
     assert metrics["rewards/accuracies"].item() == 1.0  # 1.0 > z, -1.0 < z, 0.5 > z
 
@@ -64,4 +65,33 @@ def test_gradient_follows_labels_and_not_the_reference_point():
 
 def test_all_undesirable_batch_has_nan_chosen_reward_but_a_finite_loss():
     loss, metrics = KTO().loss(batch(labels=(False, False, False)))
-    assert torch.isfinite(loss) and math.isnan(metrics["rewards/chosen"].item())
+    assert torch.isfinite(loss) and math.isnan(metrics["rewards/chosen"].value)
+
+
+def test_step_metrics_do_not_depend_on_the_micro_batch_grouping():
+    """Chosen and rejected rewards are means over their own rows, and the margin is between the step's means.
+
+    Weighting a micro-batch's chosen mean by all its rows gave (0.1*2 + 0.05*1) / 3 for [0, 1] + [2] here.
+    """
+    from alignflow.flows.stages.offline import Tally
+
+    kto, full = KTO(), batch()
+    whole = Tally()
+    whole.add(kto.loss(full)[1], 3)
+    parts = Tally()
+    for rows in ([0, 1], [2]):
+        part = UnpairedBatch(**{k: v[rows] for k, v in vars(full).items()})
+        parts.add(kto.metrics(*_pieces(kto, part, full)), len(rows))
+    one, two = kto.summarize(whole.means()), kto.summarize(parts.means())
+    assert two["rewards/chosen"] == pytest.approx(0.075) and two["rewards/rejected"] == pytest.approx(-0.1)
+    assert two["rewards/margins"] == pytest.approx(0.175)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert two[key] == pytest.approx(one[key]), key
+
+
+def _pieces(kto, part, full):
+    """metrics() arguments for the rows of `part`, with the whole batch's reference point."""
+    beta = kto.config.beta
+    z = max(0.0, (full.policy_kl_logps - full.ref_kl_logps).mean().item())
+    losses = kto.loss(part)[0].new_zeros(len(part.labels))
+    return losses, beta * (part.policy_logps - part.ref_logps), part.labels.bool(), torch.tensor(beta * z)
