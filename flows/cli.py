@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=_stage_count, metavar="N", help="training stages that may run at once, each on "
                    "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
     p.add_argument("--nproc", type=_process_count, metavar="N", help="data-parallel processes for each sft, "
-                   "reward_model, prm and preference stage: one per GPU, as torchrun's --nproc_per_node "
+                   "reward_model, prm, preference and rl stage: one per GPU, as torchrun's --nproc_per_node "
                    "(default: $ALIGNFLOW_NPROC, else 1)")
     p.set_defaults(func=cmd_run)
 

@@ -47,8 +47,11 @@ class StageOutcome:
 THREAD_SAFE_KINDS = frozenset({"select"})
 PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
 # Stage kinds whose runners split each step's rows over the ranks of a process group; the others
-# (sampling, RL) run on one process whatever `--nproc` says.
-DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference"})
+# (sampling, step labels, evaluation) run on one process whatever `--nproc` says.
+DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference", "rl"})
+# Of those, the kinds whose results depend on the number of ranks beyond float rounding (each rank
+# samples its share of the rollouts with its own seed): the number is part of their digest.
+RANK_DEPENDENT_KINDS = frozenset({"rl"})
 NPROC_ENV = "ALIGNFLOW_NPROC"
 _exclusive = threading.Lock()
 _slots: dict[int, threading.Semaphore] = {}

@@ -40,6 +40,8 @@ def runner_version(kind: str) -> dict:
 
 def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, StagePlan]:
     """Plans in dependency order; a stage's digest folds in its upstream stages' digests."""
+    from alignflow.flows.execute import RANK_DEPENDENT_KINDS, data_parallel_ranks  # execute imports this module
+
     data_version = dg.data_version(project)
     plans: dict[str, StagePlan] = {}
     with closing(dg.project_hash_cache(project)) as cache:
@@ -61,6 +63,8 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, Stage
             versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
             parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
                      "data_version": data_version, "seed": seed}
+            if stage.kind in RANK_DEPENDENT_KINDS and (ranks := data_parallel_ranks(stage.kind)) > 1:
+                parts["processes"] = ranks  # absent for one process, so one-process digests stay as they were
             plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
                                     config, versions, data_version, seed)
     return plans

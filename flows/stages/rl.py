@@ -9,6 +9,7 @@ the sampler takes the new weights. pi_old is the sampler's own log-probs: no ext
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -104,6 +105,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    check_ranks(ctx)
     dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
@@ -125,6 +127,20 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
                  process), total
 
 
+def check_ranks(ctx: StageContext) -> None:
+    """What running on several data-parallel ranks needs: a prompt per rank, and no ZeRO-3 (each rank
+    generates on its own, and a ZeRO-3 forward is a collective every rank would have to join)."""
+    s, world = ctx.settings, int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return
+    if s.zero_stage == 3:
+        raise SpecError(f"stage {ctx.name!r}, settings.zero_stage: an rl stage on {world} processes generates on "
+                        "each separately, which ZeRO-3's sharded weights cannot: use zero_stage 0, 1 or 2")
+    if s.prompts_per_step < world:
+        raise SpecError(f"stage {ctx.name!r}, settings.prompts_per_step: {s.prompts_per_step} prompts cannot be "
+                        f"shared by {world} processes: at least one each")
+
+
 def process_reward(ctx: StageContext, rewards: RewardSet):
     """The one reward of the stage that scores each step (has `step_rewards`, as the `prm` reward)."""
     found = [r for r in rewards.rewards if hasattr(r.fn, "step_rewards")]
@@ -144,7 +160,8 @@ def run_rl(ctx: StageContext) -> StageResult:
     with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
         for step in range(engine.step_count // updates, total):
             metrics = rl_step(ctx, p, step)
-            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
+            # rank 0 alone evaluates: it alone logs
+            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total and engine.rank == 0:
                 metrics.update(evaluate_model(ctx, engine.module, p.tokenizer))
             bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
                        accuracy=metrics["accuracy"])
@@ -157,7 +174,9 @@ def run_rl(ctx: StageContext) -> StageResult:
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
-    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer))
+    final["steps"] = float(total)
+    if engine.rank == 0:
+        final.update(evaluate_model(ctx, engine.module, p.tokenizer))
     ctx.log_metrics(final, total)
     headline = "eval/accuracy" if "eval/accuracy" in final else None
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)

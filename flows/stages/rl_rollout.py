@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.distributed as dist
 
 from alignflow.core.data import pad
 from alignflow.core.rl import Rollout
@@ -17,6 +18,14 @@ from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
 ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
+RANK_SEED = 104_729  # separates the sampling seeds of data-parallel ranks (rank 0 keeps one process's)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks: (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 @dataclass
@@ -88,8 +97,9 @@ def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> lis
 
 
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
-                   group_offset: int, process_reward=None) -> tuple[Samples, dict[str, float]]:
-    """G completions for each of `rows`, scored (and their steps, given a process reward); timings."""
+                   groups: list[int], process_reward=None) -> tuple[Samples, dict[str, float]]:
+    """G completions for each of `rows` (group `groups[i]` for row i), scored (and their steps, given a
+    process reward); timings."""
     start = time.perf_counter()
     scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards)
     g = scored.generation
@@ -103,7 +113,7 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
                  for ids, sp in zip(g.completion_ids, spans)]
     samples = Samples(
         prompt_ids=[prompts[i] for i in g.prompt_index], completion_ids=g.completion_ids,
-        logprobs=g.logprobs, group=[group_offset + i for i in g.prompt_index], reward=scored.rewards.total,
+        logprobs=g.logprobs, group=[groups[i] for i in g.prompt_index], reward=scored.rewards.total,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
@@ -132,16 +142,22 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
             process_reward=None):
     """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill
     up to `algo.max_gen_batches` rounds (0: until full), trim to `prompts_per_step` groups.
+
+    On several ranks each generates for its share of a round's prompts, and every rank then holds
+    the whole round, so the filter, the advantages and the update see the rollout one process would.
     """
     s = ctx.settings
     G, want = s.group_size, s.prompts_per_step
+    rank, world = rank_and_world()
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
     times = {"generate": 0.0, "score": 0.0}
     while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
         rows = [dataset[i] for i in round_prompts(step, rounds, len(dataset), want, ctx.seed)]
-        seed = ctx.seed * 1_000_003 + step * 101 + rounds  # a pure function of (step, round)
-        samples, t = generate_round(sampler, tokenizer, rows, G, s.generation, seed, rewards, rounds * want,
-                                    process_reward)
+        mine = list(range(rank, len(rows), world))
+        seed = ctx.seed * 1_000_003 + step * 101 + rounds + rank * RANK_SEED  # a function of (step, round, rank)
+        samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
+                                    [rounds * want + i for i in mine], process_reward)
+        samples = whole_round(samples, world)
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -159,6 +175,16 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         **{f"time/{k}": v for k, v in times.items()},
     }
     return Samples.join(kept), Samples.join(drawn), metrics
+
+
+def whole_round(samples: Samples, world: int) -> Samples:
+    """Every rank's samples of a round on every rank, in group order (each group's in sampler order)."""
+    if world == 1:
+        return samples
+    parts: list = [None] * world
+    dist.all_gather_object(parts, samples)
+    joined = Samples.join(parts)
+    return joined.take(sorted(range(len(joined)), key=joined.group.__getitem__))
 
 
 def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:

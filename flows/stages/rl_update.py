@@ -10,13 +10,14 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.core.aggregation import aggregate
 from alignflow.core.models import token_logprobs
 from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
-from alignflow.flows.stages.rl_rollout import Batch
+from alignflow.flows.stages.rl_rollout import Batch, rank_and_world
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:
@@ -39,11 +40,17 @@ def critic_values(critic, ids: Tensor, attention: Tensor, mask: Tensor) -> Tenso
 
 @torch.no_grad()
 def stitched(batch: Batch, micro: int, fn) -> Tensor:
-    """fn(ids, attention, mask) -> [b, w] over micro-batches, as one [B, T] tensor."""
+    """fn(ids, attention, mask) -> [b, w] over micro-batches, as one [B, T] tensor.
+
+    On several ranks each computes its share of the micro-batches and all of them get the whole tensor.
+    """
+    rank, world = rank_and_world()
     out = torch.zeros_like(batch.rollout.response_mask, dtype=torch.float32)
-    for rows in chunks(torch.arange(len(out), device=out.device), micro):
+    for rows in chunks(torch.arange(len(out), device=out.device), micro)[rank::world]:
         ids, attention, mask = batch.view(rows)
         out[rows, : ids.shape[1]] = fn(ids, attention, mask).float()
+    if world > 1:
+        dist.all_reduce(out)  # each row is non-zero on one rank only
     return out
 
 
@@ -61,35 +68,61 @@ def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tenso
 
 def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tensor | None, settings,
            n_minibatches: int, temperature: float, generator: torch.Generator) -> dict[str, float]:
-    """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each."""
+    """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each.
+
+    On several ranks each takes every world-th micro-batch of a minibatch; the step's loss is normalised
+    over all of them (`step_norm`), so the gradient is the one-process gradient. A rank left without a
+    micro-batch runs one with zero weight, so that every rank reaches the optimizer step's all-reduce.
+    """
     r, s = batch.rollout, settings
-    sums: dict[str, list[float]] = defaultdict(list)
+    rank, world = rank_and_world()
+    micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
+    step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
+    step_losses: list[float] = []  # this rank's share of each step's loss
     entropy = torch.zeros(2, device=r.rewards.device)  # sum over response tokens, token count
     for epoch in range(s.ppo_epochs):
         for minibatch in minibatches(r.group, n_minibatches, generator):
             micro = chunks(minibatch, s.micro_batch_size)
-            norm = engine.step_norm([r.response_mask[m] for m in micro], algo.norm_constant(r))
+            mine = micro[rank::world]
+            norm = engine.step_norm([r.response_mask[m] for m in mine], algo.norm_constant(r))
             step_loss = 0.0
-            for rows in micro:
+            for rows in mine:
                 metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature)
                 if epoch == 0:
                     entropy += ent
                 step_loss += float(metrics.pop("actor/loss"))
                 for k, v in metrics.items():
-                    sums[k].append(float(v))
-            sums["actor/loss"].append(step_loss)
+                    micro_metrics[k].append(float(v))
+            if micro and not mine:
+                micro_step(engine, critic, algo, batch, micro[0], advantages, returns, norm, temperature, weight=0.0)
+            step_losses.append(step_loss)
             for k, v in engine.step().items():
-                sums[f"actor/{k}"].append(v)
+                step_metrics[f"actor/{k}"].append(v)
             for k, v in (critic.step() if critic is not None else {}).items():
-                sums[f"critic/{k}"].append(v)
-    out = {k: sum(v) / len(v) for k, v in sums.items()}
+                step_metrics[f"critic/{k}"].append(v)
+    if world > 1:
+        micro_metrics, step_losses = over_ranks(micro_metrics, step_losses, world)
+        dist.all_reduce(entropy)
+    out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
     out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
     return out
 
 
+def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float], world: int):
+    """Every rank's micro-batch metrics, and each step's loss summed over the ranks' shares."""
+    parts: list = [None] * world
+    dist.all_gather_object(parts, (dict(micro_metrics), step_losses))
+    merged: dict[str, list[float]] = defaultdict(list)
+    for metrics, _ in parts:
+        for k, v in metrics.items():
+            merged[k] += v
+    return merged, [sum(losses) for losses in zip(*(p[1] for p in parts))]
+
+
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-               norm, temperature: float) -> tuple[dict[str, Tensor], Tensor]:
-    """One forward and backward: the loss's metrics and the (entropy sum, token count) of the rows."""
+               norm, temperature: float, weight: float = 1.0) -> tuple[dict[str, Tensor], Tensor]:
+    """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
+    token count) of the rows."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
     logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
@@ -98,11 +131,11 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
     view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
     per_token, metrics = algo.loss(view)
     loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
-    engine.backward(loss)
+    engine.backward(loss * weight)
     metrics["actor/loss"] = loss.detach()
     if critic is not None:
         value_loss, value_metrics = algo.value_loss(view)
-        critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm))
+        critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm) * weight)
         metrics.update(value_metrics)
     return metrics, torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
 

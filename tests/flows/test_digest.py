@@ -120,3 +120,24 @@ def test_code_hash_follows_what_a_runner_imports_and_nothing_else(tmp_path, monk
     assert code_hash("hashpkg.runner", package="hashpkg.") != before
     for name in ("hashpkg.runner", "hashpkg.helper", "hashpkg.other", "hashpkg"):
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_the_number_of_processes_enters_the_digest_of_rl_stages_only(tmp_path, monkeypatch):
+    """An rl stage's ranks sample with their own seeds, so two processes make other rollouts than one;
+    an sft stage lands on the same weights whatever the number."""
+    from alignflow.flows.execute import NPROC_ENV
+
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2", "answer": "2"}\n')
+    spec = parse_spec({"name": "p", "stages": {
+        "sft": {"kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": "rows.jsonl"}, "algorithm": "sft"},
+        "rl": {"kind": "rl", "inputs": {"model": "stage:sft", "dataset": "rows.jsonl"}, "algorithm": "grpo",
+               "rewards": ["math_accuracy"], "sampler": "hf"}}})
+
+    def plan():
+        return {n: p.digest for n, p in plan_pipeline(spec, tmp_path, get_plugins()).items()}
+
+    one = plan()
+    monkeypatch.setenv(NPROC_ENV, "1")
+    assert plan() == one
+    monkeypatch.setenv(NPROC_ENV, "2")
+    assert changed(one, plan()) == {"rl"}

@@ -28,11 +28,17 @@ def ascii_first(prompts, completions, completion_ids, answer, **columns):
     return [0.0 if a == "dead" else float(ids[0] < ASCII) for ids, a in zip(completion_ids, answer)]
 
 
+def odd_prompt(prompts, completions, **columns):
+    """1 for the prompts "1+1=", "3+3=", ...: a reward that differs between prompts whatever is generated."""
+    return [float(int(p.split("+")[0]) % 2) for p in prompts]
+
+
 class TestRewards:
     @staticmethod
     @hookimpl
     def register_rewards(register):
         register("ascii_first", ascii_first)
+        register("odd_prompt", odd_prompt)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +59,11 @@ def write_rows(path, answers):
     return path
 
 
-def make_ctx(tmp_path, plugins, model, algorithm, dataset, log, **settings):
+def make_ctx(tmp_path, plugins, model, algorithm, dataset, log, rewards=("ascii_first",), **settings):
     base = dict(max_steps=2, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3,
                 generation={"max_new_tokens": 4}, save_every=1)
     spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": str(dataset)}, algorithm=algorithm,
-                     rewards=["ascii_first"], sampler="hf")
+                     rewards=list(rewards), sampler="hf")
     (tmp_path / "work").mkdir(parents=True, exist_ok=True)
     return StageContext("rl", spec, RLSettings(**{**base, **settings}), {"model": model, "dataset": dataset},
                         tmp_path / "work", tmp_path / "checkpoints", 0, lambda m, step: log.append((step, m)),
@@ -343,3 +349,58 @@ def test_minibatches_hold_whole_groups_in_a_seeded_order():
         assert len(part) == 4 and all((group == g).sum() == (group[part] == g).sum() for g in group[part])
     again = minibatches(group, 2, torch.Generator().manual_seed(0))
     assert all(torch.equal(a, b) for a, b in zip(parts, again))
+
+
+def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny):
+    """PPO on greedy rollouts (alike whatever a rank's seed): each of two ranks generates for one prompt and
+    trains one micro-batch a step, one process both; the logged metrics and the weights agree. Run with
+    one rank's rows only, the critic's values, the whitened advantages and the loss would differ."""
+    from alignflow.flows.child import run_in_child
+
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    settings = dict(group_size=2, micro_batch_size=2, generation={"max_new_tokens": 4, "temperature": 0.0})
+    runs = {}
+    for ranks in (1, 2):
+        log = []
+        ctx = make_ctx(tmp_path / f"ranks{ranks}", plugins, tiny, "ppo", data, log, rewards=["odd_prompt"],
+                       **settings)
+        runs[ranks] = (run_rl(ctx) if ranks == 1 else run_in_child("rl", ctx, threads=1, ranks=2)), log
+    (one, one_log), (two, two_log) = runs[1], runs[2]
+    assert [s for s, _ in two_log] == [s for s, _ in one_log] == [1, 2, 2]
+    for (_, a), (_, b) in zip(one_log, two_log):
+        assert a.keys() == b.keys()
+        for key in a:
+            if not key.startswith(("time/", "perf/tokens_per_s", "perf/completions_per_s")):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert one_log[0][1]["reward/total/std"] > 0  # one prompt of each step is odd
+    a, b = weights(one.outputs["model"]), weights(two.outputs["model"])
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert {p.name for p in (tmp_path / "ranks2").rglob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
+
+
+def test_dapo_refills_over_two_ranks(tmp_path, plugins, tiny):
+    """Sampled rollouts on two ranks, each its own seed: every rank filters the same gathered round, so
+    the refill rounds and the kept groups agree and the update steps together."""
+    from alignflow.flows.child import run_in_child
+
+    log = []
+    data = write_rows(tmp_path / "rl.jsonl", ["dead", "x", "dead", "dead"])
+    ctx = make_ctx(tmp_path, plugins, tiny, "dapo", data, log, max_steps=1, group_size=8, micro_batch_size=8)
+    result = run_in_child("rl", ctx, threads=1, ranks=2)
+    metrics = log[0][1]
+    assert metrics["sampling/rounds"] >= 2 and metrics["sampling/groups_kept"] == 2
+    assert metrics["perf/tokens"] > 0 and metrics["actor/grad_norm"] > 0
+    before, after = weights(tiny), weights(result.outputs["model"])
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_several_ranks_need_a_prompt_each_and_no_zero3(tmp_path, plugins, tiny, monkeypatch):
+    from alignflow.flows.stages.rl import check_ranks
+
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4))
+    with pytest.raises(SpecError, match="prompts_per_step: 2 prompts cannot be shared by 4 processes"):
+        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, []))
+    with pytest.raises(SpecError, match="zero_stage: an rl stage on 4 processes.*use zero_stage 0, 1 or 2"):
+        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4, zero_stage=3))
