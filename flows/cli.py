@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
     p.add_argument("--parallel", type=_stage_count, metavar="N", help="training stages that may run at once, each on "
                    "1/N of the CPU threads (default: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 cores)")
-    p.add_argument("--nproc", type=_process_count, metavar="N", help="data-parallel processes for each sft, "
-                   "reward_model, prm, preference and rl stage: one per GPU, as torchrun's --nproc_per_node "
+    p.add_argument("--nproc", type=_process_count, metavar="N", help="data-parallel processes for each stage "
+                   "but select: one per GPU, as torchrun's --nproc_per_node "
                    "(default: $ALIGNFLOW_NPROC, else 1)")
     p.set_defaults(func=cmd_run)
 

@@ -46,9 +46,10 @@ class StageOutcome:
 # process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
 THREAD_SAFE_KINDS = frozenset({"select"})
 PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
-# Stage kinds whose runners split each step's rows over the ranks of a process group; the others
-# (sampling, step labels, evaluation) run on one process whatever `--nproc` says.
-DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference", "rl"})
+# Stage kinds whose runners split their rows (each step's, or the prompts to sample) over the ranks of
+# a process group; `select` runs on one process whatever `--nproc` says.
+DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference", "rl", "rejection_sampling",
+                                 "step_labels", "evaluate"})
 # Of those, the kinds whose results depend on the number of ranks beyond float rounding (each rank
 # samples its share of the rollouts with its own seed): the number is part of their digest.
 RANK_DEPENDENT_KINDS = frozenset({"rl"})

@@ -13,7 +13,8 @@ from collections import defaultdict
 from alignflow.core.data import load_rows
 from alignflow.core.errors import SpecError
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, load_sampler, rank_and_world,
+                                            reward_set)
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -56,12 +57,13 @@ def run_evaluate(ctx: StageContext) -> StageResult:
                             f"rewards ({', '.join(names)})")
     sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))
     for name in s.best_of:
         metrics[f"best_of_{s.n}/{name}"] = best_of_n(scored, name)
     samples = ctx.work_dir / "samples.jsonl"
-    write_samples(scored, samples)
+    if rank_and_world()[0] == 0:  # every rank holds every sample; one writes them
+        write_samples(scored, samples)
     return StageResult(outputs={"dataset": samples}, metrics=metrics, headline="accuracy")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from alignflow.core.data import load_rows
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, load_sampler, rank_and_world,
+                                            reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 
@@ -62,11 +63,12 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     s = ctx.settings
     sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx))
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx), shard=True)
 
     kept = select_rows(scored, s.output, s.pairs_per_prompt)
     out = ctx.work_dir / "data.jsonl"
-    write_jsonl(kept, out)
+    if rank_and_world()[0] == 0:  # every rank holds every sample; one writes them
+        write_jsonl(kept, out)
     groups = by_prompt(scored)
     metrics = {
         **accuracy_metrics(scored, sorted({1, s.n})),

@@ -14,18 +14,11 @@ import torch.distributed as dist
 
 from alignflow.core.data import pad
 from alignflow.core.rl import Rollout
-from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
+from alignflow.flows.stages.scoring import generate_and_score, prompt_ids, rank_and_world
 from alignflow.flows.stages.training import step_rows
 
 ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
 RANK_SEED = 104_729  # separates the sampling seeds of data-parallel ranks (rank 0 keeps one process's)
-
-
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of ranks: (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 @dataclass

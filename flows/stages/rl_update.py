@@ -17,7 +17,8 @@ from torch import Tensor
 from alignflow.core.aggregation import aggregate
 from alignflow.core.models import token_logprobs
 from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
-from alignflow.flows.stages.rl_rollout import Batch, rank_and_world
+from alignflow.flows.stages.rl_rollout import Batch
+from alignflow.flows.stages.scoring import rank_and_world
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:

@@ -6,9 +6,11 @@ all tests passed for `code_exec`): accuracy and pass@k count those.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
@@ -59,6 +61,7 @@ def _input_value(ctx, value):
 
 def load_sampler(ctx, key: str = "model"):
     """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer."""
+    join_ranks()  # a rank's GPU is chosen as it joins: before the model moves there
     with model_source(ctx, key) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,22 +85,48 @@ def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
     return cols
 
 
-def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = 64) -> Generation:
-    """`n` completions per row's prompt, `chunk` prompts at a time under a progress bar."""
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of ranks: (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def join_ranks() -> tuple[int, int]:
+    """(rank, world) of the launcher's process group, joined on first use; (0, 1) without a launcher."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from alignflow.core.engine import init_distributed  # DeepSpeed: only when there are ranks
+
+        init_distributed()
+    return rank_and_world()
+
+
+def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = 64,
+             shard: bool = False) -> Generation:
+    """`n` completions per row's prompt, `chunk` prompts at a time (each seeded by its place) under a
+    progress bar. With `shard`, the ranks of a process group share the chunks and every rank gets the
+    whole generation: the same completions one process would make.
+    """
     ids = prompt_ids(tokenizer, rows)
+    rank, world = join_ranks() if shard else (0, 1)
+    starts = list(range(0, len(ids), chunk))[rank::world]
     parts = []
-    with progress("generate", total=len(ids), unit="prompt") as bar:
-        for lo in range(0, len(ids), chunk):
+    with progress("generate", total=sum(len(ids[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
+        for lo in starts:
             part = sampler.generate(ids[lo: lo + chunk], n, gen, seed + lo)
             parts.append((lo, part))
             bar.update(len(ids[lo: lo + chunk]), tokens=sum(part.lengths))
+    if world > 1:
+        shares: list = [None] * world
+        dist.all_gather_object(shares, parts)
+        parts = sorted((p for share in shares for p in share), key=lambda p: p[0])
     return Generation.concat(parts)
 
 
 def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,
-                       rewards: RewardSet) -> Scored:
-    """`n` completions per row's prompt, scored by every reward."""
-    generation = generate(sampler, tokenizer, rows, n, gen, seed)
+                       rewards: RewardSet, shard: bool = False) -> Scored:
+    """`n` completions per row's prompt, scored by every reward (`shard`: see `generate`)."""
+    generation = generate(sampler, tokenizer, rows, n, gen, seed, shard=shard)
     prompts = [rows[i]["prompt"] for i in generation.prompt_index]
     out, correct = judge(rewards, prompts, generation.texts, columns_for(rows, generation))
     return Scored(rows, n, generation, out, correct)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from alignflow.core.data import load_rows, split_steps
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import (columns_for, generate, generate_and_score, judge, load_sampler,
-                                            reward_set)
+                                            rank_and_world, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
@@ -33,7 +33,7 @@ def run_step_labels(ctx: StageContext) -> StageResult:
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     rewards = reward_set(ctx)
     sampler, tokenizer = load_sampler(ctx, "model")
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards)
+    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
 
     solutions, seen = [], set()  # (prompt index, text, steps, correct), distinct per prompt
     for i, text, ok in zip(scored.generation.prompt_index, scored.generation.texts, scored.correct):
@@ -62,7 +62,8 @@ def run_step_labels(ctx: StageContext) -> StageResult:
         labels = [int(h > 0) if s.label == "hard" else h / s.rollouts for h in counts] + [int(ok)]
         out.append({**rows[i], "completion": text, "correct": ok, "steps": steps, "step_labels": labels})
     path = ctx.work_dir / "data.jsonl"
-    write_jsonl(out, path)
+    if rank_and_world()[0] == 0:  # every rank holds every sample; one writes them
+        write_jsonl(out, path)
     labels = [v for row in out for v in row["step_labels"]]
     metrics = {
         "accuracy": sum(scored.correct) / len(scored.correct),
@@ -83,7 +84,7 @@ def rollout_hits(ctx: StageContext, sampler, tokenizer, rows: list[dict], todo: 
         return {}
     s = ctx.settings
     prompts = [{**rows[i], "prompt": rows[i]["prompt"] + text} for i, text in todo]
-    generation = generate(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED)
+    generation = generate(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED, shard=True)
     keys = [todo[j] for j in generation.prompt_index]
     texts = [text + cont for (_, text), cont in zip(keys, generation.texts)]
     _, correct = judge(rewards, [rows[i]["prompt"] for i, _ in keys], texts, columns_for(prompts, generation))

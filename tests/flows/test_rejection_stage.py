@@ -1,6 +1,7 @@
 """The rejection_sampling stage: which completions become SFT rows or preference pairs, and the metrics."""
 
 import json
+import os
 
 import pytest
 
@@ -73,6 +74,22 @@ class Rewards:
         register("even_start", even_start)
 
 
+class CountingHF(alignflow.plugins.hf.HFSampler):
+    """The hf sampler, noting each call's rank and prompt count in $CALLS_FILE (children inherit it)."""
+
+    def generate(self, prompt_ids, n, gen, seed):
+        with open(os.environ["CALLS_FILE"], "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {len(prompt_ids)}\n")
+        return super().generate(prompt_ids, n, gen, seed)
+
+
+class Samplers:
+    @staticmethod
+    @hookimpl
+    def register_samplers(register):
+        register("counting_hf", CountingHF)
+
+
 @pytest.mark.parametrize("output", ["sft", "pairs"])
 def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
     plugs = Plugins()
@@ -105,3 +122,33 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
         assert all(even(r["chosen"]) and not even(r["rejected"]) for r in rows)
         assert m["pair_share"] == pytest.approx(len(rows) / 6)
     assert 0 < m["accuracy"] < 1
+
+
+def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch):
+    """130 prompts are three seeded chunks of 64: rank 0 samples chunks 0 and 2, rank 1 chunk 1, and
+    both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
+    from alignflow.flows.child import run_in_child
+
+    plugs = Plugins()
+    plugs.add(Samplers, "samplers")
+    plugs.add(Rewards, "rewards")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(130)))
+    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
+    spec = parse_spec({"name": "rs", "stages": {"rs": {
+        "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
+        "sampler": "counting_hf", "settings": {"n": 2, "output": "pairs", "generation": {"max_new_tokens": 4}}}}},
+        plugins=plugs)
+    stage = spec.stages["rs"]
+    results, calls = {}, {}
+    for ranks in (1, 2):
+        (tmp_path / f"ranks{ranks}").mkdir()
+        monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))
+        ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs,
+                           tmp_path / f"ranks{ranks}", tmp_path / f"ckpt{ranks}", 7, lambda m, s: None, plugs)
+        results[ranks] = run_in_child("rejection_sampling", ctx, threads=1, ranks=ranks)
+        calls[ranks] = sorted((tmp_path / f"calls{ranks}").read_text().splitlines())
+    assert calls == {1: ["0 2", "0 64", "0 64"], 2: ["0 2", "0 64", "1 64"]}
+    one, two = results[1], results[2]
+    assert one.metrics == two.metrics and one.metrics["prompts"] == 130 and one.metrics["rows_written"] > 0
+    assert two.outputs["dataset"].read_bytes() == one.outputs["dataset"].read_bytes()
