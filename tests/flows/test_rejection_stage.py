@@ -90,24 +90,34 @@ class Samplers:
         register("counting_hf", CountingHF)
 
 
-@pytest.mark.parametrize("output", ["sft", "pairs"])
-def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
+def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):
+    """A function of a folder name: a rejection_sampling context on the tiny model, `prompts` prompts."""
     plugs = Plugins()
     plugs.add(alignflow.plugins.hf, "hf")
+    plugs.add(Samplers, "samplers")
     plugs.add(Rewards, "rewards")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(6)))
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(prompts)))
     inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
     spec = parse_spec({"name": "rs", "stages": {"rs": {
         "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
-        "settings": {"n": 4, "output": output, "generation": {"max_new_tokens": 6}}}}}, plugins=plugs)
+        "sampler": sampler, "settings": settings}}}, plugins=plugs)
     stage = spec.stages["rs"]
 
-    def run(name):
+    def context(name):
         (tmp_path / name).mkdir()
-        ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / name,
-                           tmp_path / "ckpt", 7, lambda m, s: None, plugs)
-        return run_rejection_sampling(ctx)
+        return StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / name,
+                            tmp_path / f"ckpt-{name}", 7, lambda m, s: None, plugs)
+
+    return context
+
+
+@pytest.mark.parametrize("output", ["sft", "pairs"])
+def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
+    context = stage_context(tmp_path, 6, n=4, output=output, generation={"max_new_tokens": 6})
+
+    def run(name):
+        return run_rejection_sampling(context(name))
 
     result = run("a")
     text = result.outputs["dataset"].read_text()
@@ -129,24 +139,11 @@ def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch):
     both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
     from alignflow.flows.child import run_in_child
 
-    plugs = Plugins()
-    plugs.add(Samplers, "samplers")
-    plugs.add(Rewards, "rewards")
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(130)))
-    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
-    spec = parse_spec({"name": "rs", "stages": {"rs": {
-        "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
-        "sampler": "counting_hf", "settings": {"n": 2, "output": "pairs", "generation": {"max_new_tokens": 4}}}}},
-        plugins=plugs)
-    stage = spec.stages["rs"]
+    context = stage_context(tmp_path, 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
     results, calls = {}, {}
     for ranks in (1, 2):
-        (tmp_path / f"ranks{ranks}").mkdir()
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))
-        ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs,
-                           tmp_path / f"ranks{ranks}", tmp_path / f"ckpt{ranks}", 7, lambda m, s: None, plugs)
-        results[ranks] = run_in_child("rejection_sampling", ctx, threads=1, ranks=ranks)
+        results[ranks] = run_in_child("rejection_sampling", context(f"ranks{ranks}"), threads=1, ranks=ranks)
         calls[ranks] = sorted((tmp_path / f"calls{ranks}").read_text().splitlines())
     assert calls == {1: ["0 2", "0 64", "0 64"], 2: ["0 2", "0 64", "1 64"]}
     one, two = results[1], results[2]
