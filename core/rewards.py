@@ -50,6 +50,27 @@ class RewardOutput:
     values: dict[str, list[float | None]]
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @classmethod
+    def join(cls, parts: list["RewardOutput"]) -> "RewardOutput":
+        """The output of consecutive batches as one batch's: what `RewardSet` gives the whole batch."""
+        total = [t for p in parts for t in p.total]
+        values = {name: [v for p in parts for v in p.values[name]] for name in parts[0].values}
+        failed = {name: sum(p.metrics.get(f"reward/{name}/failed", 0.0) for p in parts) for name in values}
+        return cls(total, values, _metrics(total, values, failed))
+
+
+def _metrics(total: list[float], values: dict[str, list[float | None]], failed: dict[str, float]) -> dict[str, float]:
+    """The total's mean, and each reward's mean over the samples it scored, unscored and failed counts."""
+    n = len(total)
+    metrics = {"reward/total/mean": sum(total) / n if n else 0.0}
+    for name, vals in values.items():
+        scored = [v for v in vals if v is not None]
+        metrics[f"reward/{name}/none"] = float(n - len(scored))
+        metrics[f"reward/{name}/failed"] = float(failed[name])
+        if scored:
+            metrics[f"reward/{name}/mean"] = sum(scored) / len(scored)
+    return metrics
+
 
 def _as_ref(ref: Any) -> tuple[str, float, dict]:
     if isinstance(ref, (tuple, list)):
@@ -102,15 +123,7 @@ class RewardSet:
             sum(r.weight * v for r in self.rewards if (v := values[r.name][i]) is not None)
             for i in range(n)
         ]
-        metrics = {"reward/total/mean": sum(total) / n if n else 0.0}
-        for r in self.rewards:
-            vals, failed = results[r.name]
-            scored = [v for v in vals if v is not None]
-            metrics[f"reward/{r.name}/none"] = float(n - len(scored))
-            metrics[f"reward/{r.name}/failed"] = float(failed)
-            if scored:
-                metrics[f"reward/{r.name}/mean"] = sum(scored) / len(scored)
-        return RewardOutput(total, values, metrics)
+        return RewardOutput(total, values, _metrics(total, values, {r.name: results[r.name][1] for r in self.rewards}))
 
 
 def _row(i: int, n: int, prompts, completions, columns) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from alignflow.core.sampling import Generation
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
 CORRECT_AT = 1.0 - 1e-6
+CHUNK = 64  # prompts per sampler call, each call seeded by its first prompt's place
 
 
 @dataclass
@@ -101,35 +102,58 @@ def join_ranks() -> tuple[int, int]:
     return rank_and_world()
 
 
-def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = 64,
+def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = CHUNK,
              shard: bool = False) -> Generation:
     """`n` completions per row's prompt, `chunk` prompts at a time (each seeded by its place) under a
     progress bar. With `shard`, the ranks of a process group share the chunks and every rank gets the
     whole generation: the same completions one process would make.
     """
+    parts = list(chunks(sampler, tokenizer, rows, n, gen, seed, chunk, shard))
+    return Generation.concat(every_rank(parts) if shard else parts)
+
+
+def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = CHUNK, shard: bool = False):
+    """(first prompt's index, Generation) of each chunk of prompts this rank samples: all of them, or with
+    `shard` every world-th."""
     ids = prompt_ids(tokenizer, rows)
     rank, world = join_ranks() if shard else (0, 1)
     starts = list(range(0, len(ids), chunk))[rank::world]
-    parts = []
     with progress("generate", total=sum(len(ids[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
         for lo in starts:
             part = sampler.generate(ids[lo: lo + chunk], n, gen, seed + lo)
-            parts.append((lo, part))
             bar.update(len(ids[lo: lo + chunk]), tokens=sum(part.lengths))
-    if world > 1:
-        shares: list = [None] * world
-        dist.all_gather_object(shares, parts)
-        parts = sorted((p for share in shares for p in share), key=lambda p: p[0])
-    return Generation.concat(parts)
+            yield lo, part
+
+
+def every_rank(pieces: list[tuple]) -> list[tuple]:
+    """Every rank's (first prompt's index, ...) pieces on every rank, in prompt order."""
+    world = rank_and_world()[1]
+    if world == 1:
+        return pieces
+    shares: list = [None] * world
+    dist.all_gather_object(shares, pieces)
+    return sorted((p for share in shares for p in share), key=lambda p: p[0])
 
 
 def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,
                        rewards: RewardSet, shard: bool = False) -> Scored:
-    """`n` completions per row's prompt, scored by every reward (`shard`: see `generate`)."""
-    generation = generate(sampler, tokenizer, rows, n, gen, seed, shard=shard)
-    prompts = [rows[i]["prompt"] for i in generation.prompt_index]
-    out, correct = judge(rewards, prompts, generation.texts, columns_for(rows, generation))
-    return Scored(rows, n, generation, out, correct)
+    """`n` completions per row's prompt, scored by every reward. With `shard` each rank samples and
+    scores its share of the chunks (see `generate`), and every rank gets the whole."""
+    if not shard or join_ranks()[1] == 1:
+        generation = generate(sampler, tokenizer, rows, n, gen, seed)
+        prompts = [rows[i]["prompt"] for i in generation.prompt_index]
+        out, correct = judge(rewards, prompts, generation.texts, columns_for(rows, generation))
+        return Scored(rows, n, generation, out, correct)
+    pieces = []
+    for lo, part in chunks(sampler, tokenizer, rows, n, gen, seed, shard=True):
+        own = rows[lo: lo + CHUNK]
+        out, correct = judge(rewards, [own[i]["prompt"] for i in part.prompt_index], part.texts,
+                             columns_for(own, part))
+        pieces.append((lo, part, out, correct))
+    pieces = every_rank(pieces)
+    generation = Generation.concat([(lo, part) for lo, part, _, _ in pieces])
+    out = RewardOutput.join([out for _, _, out, _ in pieces])
+    return Scored(rows, n, generation, out, [ok for *_, correct in pieces for ok in correct])
 
 
 def judge(rewards: RewardSet, prompts: list[str], texts: list[str],

@@ -5,7 +5,7 @@ import pytest
 from alignflow.core import PluginConfig, hookimpl
 from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.core.plugins import Plugins
-from alignflow.core.rewards import RewardError, RewardSet, completion_lengths
+from alignflow.core.rewards import RewardError, RewardOutput, RewardSet, completion_lengths
 
 
 def exact(prompts, completions, answer, **columns):
@@ -81,6 +81,18 @@ def test_a_sample_that_raises_becomes_none_and_is_counted(plugins):
     assert out.values["picky"] == [1.0, None, 1.0]
     assert out.total == [3.0, 3.0, 5.0]  # None adds 0; the other reward still counts
     assert out.metrics["reward/picky/none"] == 1.0 and out.metrics["reward/picky/failed"] == 1.0
+
+
+def test_outputs_of_consecutive_batches_join_into_the_whole_batchs(plugins):
+    """How ranks that each scored a share of the samples agree on one output: values in order, failures
+    summed, means over all samples (the mean of the parts' total means would be (2.0 + 2.5) / 2)."""
+    rs = RewardSet.from_refs([("picky", 1.0), ("scaled", 0.5)], plugins)
+    completions = ["ok", "bad", "fine", "good"]
+    whole = rs(["p"] * 4, completions)
+    joined = RewardOutput.join([rs(["p"], completions[:1]), rs(["p"] * 3, completions[1:])])
+    assert joined == whole
+    assert joined.metrics["reward/total/mean"] == (2.0 + 1.5 + 3.0 + 3.0) / 4
+    assert joined.metrics["reward/picky/none"] == joined.metrics["reward/picky/failed"] == 1.0
 
 
 def test_a_reward_failing_on_every_sample_is_a_named_error(plugins):

@@ -60,7 +60,15 @@ def test_more_pairs_per_prompt_take_distinct_incorrect_texts_best_first():
 
 def even_start(prompts, completions, **_):
     """1 when a completion starts with a character of even code: a coin flip the test can recount."""
+    record(f"score {len(completions)}")
     return [float(even(c)) for c in completions]
+
+
+def record(call: str) -> None:
+    """Note a call and the rank making it in $CALLS_FILE, when set (children inherit it)."""
+    if "CALLS_FILE" in os.environ:
+        with open(os.environ["CALLS_FILE"], "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')} {call}\n")
 
 
 def even(text: str) -> bool:
@@ -75,11 +83,10 @@ class Rewards:
 
 
 class CountingHF(alignflow.plugins.hf.HFSampler):
-    """The hf sampler, noting each call's rank and prompt count in $CALLS_FILE (children inherit it)."""
+    """The hf sampler, noting each call's rank and prompt count (`record`)."""
 
     def generate(self, prompt_ids, n, gen, seed):
-        with open(os.environ["CALLS_FILE"], "a") as f:
-            f.write(f"{os.environ.get('RANK', '0')} {len(prompt_ids)}\n")
+        record(f"generate {len(prompt_ids)}")
         return super().generate(prompt_ids, n, gen, seed)
 
 
@@ -135,8 +142,8 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
 
 
 def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch):
-    """130 prompts are three seeded chunks of 64: rank 0 samples chunks 0 and 2, rank 1 chunk 1, and
-    both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
+    """130 prompts are three seeded chunks of 64: rank 0 samples and scores chunks 0 and 2, rank 1 chunk 1,
+    and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
     from alignflow.flows.child import run_in_child
 
     context = stage_context(tmp_path, 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
@@ -145,7 +152,8 @@ def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch):
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))
         results[ranks] = run_in_child("rejection_sampling", context(f"ranks{ranks}"), threads=1, ranks=ranks)
         calls[ranks] = sorted((tmp_path / f"calls{ranks}").read_text().splitlines())
-    assert calls == {1: ["0 2", "0 64", "0 64"], 2: ["0 2", "0 64", "1 64"]}
+    assert calls == {1: ["0 generate 2", "0 generate 64", "0 generate 64", "0 score 260"],
+                     2: ["0 generate 2", "0 generate 64", "0 score 128", "0 score 4", "1 generate 64", "1 score 128"]}
     one, two = results[1], results[2]
     assert one.metrics == two.metrics and one.metrics["prompts"] == 130 and one.metrics["rows_written"] > 0
     assert two.outputs["dataset"].read_bytes() == one.outputs["dataset"].read_bytes()
