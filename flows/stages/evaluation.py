@@ -9,7 +9,11 @@ from alignflow.flows.stages.training import plugin
 
 
 def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/") -> dict[str, float]:
-    """Greedy (per `eval_generation`) completions for `eval_dataset` prompts, scored; {} without rewards."""
+    """Greedy (per `eval_generation`) completions for `eval_dataset` prompts, scored; {} without rewards.
+
+    Every rank calls it: the ranks share the prompts, unless under ZeRO-3, where each forward pass is a
+    collective and so every rank generates every completion alike.
+    """
     if "eval_dataset" not in ctx.inputs or not ctx.spec.rewards:
         return {}
     s = ctx.settings
@@ -17,5 +21,6 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/") -
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(model, tokenizer)
     rewards = reward_set(ctx)
-    scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, rewards)
+    scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, rewards,
+                                shard=s.zero_stage != 3)
     return {prefix + k: v for k, v in accuracy_metrics(scored).items()}

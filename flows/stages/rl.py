@@ -160,8 +160,7 @@ def run_rl(ctx: StageContext) -> StageResult:
     with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
         for step in range(engine.step_count // updates, total):
             metrics = rl_step(ctx, p, step)
-            # rank 0 alone evaluates: it alone logs
-            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total and engine.rank == 0:
+            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
                 metrics.update(evaluate_model(ctx, engine.module, p.tokenizer))
             bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
                        accuracy=metrics["accuracy"])
@@ -174,9 +173,7 @@ def run_rl(ctx: StageContext) -> StageResult:
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
-    final["steps"] = float(total)
-    if engine.rank == 0:
-        final.update(evaluate_model(ctx, engine.module, p.tokenizer))
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer))
     ctx.log_metrics(final, total)
     headline = "eval/accuracy" if "eval/accuracy" in final else None
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
