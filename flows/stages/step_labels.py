@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from alignflow.core.data import load_rows, split_steps
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import (columns_for, generate, generate_and_score, judge, load_sampler,
-                                            rank_and_world, reward_set)
+from alignflow.flows.stages.scoring import (CHUNK, chunks, columns_for, every_rank, generate_and_score, judge,
+                                            load_sampler, rank_and_world, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
@@ -79,16 +79,24 @@ def run_step_labels(ctx: StageContext) -> StageResult:
 
 def rollout_hits(ctx: StageContext, sampler, tokenizer, rows: list[dict], todo: list[tuple[int, str]],
                  rewards) -> dict[tuple[int, str], int]:
-    """For each (prompt index, prefix): how many of `rollouts` completions of it are correct."""
+    """For each (prompt index, prefix): how many of `rollouts` completions of it are correct.
+
+    The ranks of a process group share the prefixes in chunks (`chunks`), each judging its own rollouts.
+    """
     if not todo:
         return {}
     s = ctx.settings
     prompts = [{**rows[i], "prompt": rows[i]["prompt"] + text} for i, text in todo]
-    generation = generate(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED, shard=True)
-    keys = [todo[j] for j in generation.prompt_index]
-    texts = [text + cont for (_, text), cont in zip(keys, generation.texts)]
-    _, correct = judge(rewards, [rows[i]["prompt"] for i, _ in keys], texts, columns_for(prompts, generation))
+    pieces = []
+    for lo, part in chunks(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED,
+                           shard=True):
+        keys = [todo[lo + j] for j in part.prompt_index]
+        texts = [text + cont for (_, text), cont in zip(keys, part.texts)]
+        _, correct = judge(rewards, [rows[i]["prompt"] for i, _ in keys], texts,
+                           columns_for(prompts[lo: lo + CHUNK], part))
+        pieces.append((lo, keys, correct))
     hits = dict.fromkeys(todo, 0)
-    for key, ok in zip(keys, correct):
-        hits[key] += ok
+    for _, keys, correct in every_rank(pieces):
+        for key, ok in zip(keys, correct):
+            hits[key] += ok
     return hits

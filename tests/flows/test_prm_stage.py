@@ -19,6 +19,7 @@ from alignflow.core.sampling import Generation
 from alignflow.core.settings import PRMSettings, StepLabelSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.tokenizer import build_char_tokenizer
+from alignflow.flows.child import run_in_child
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import best_of_n
 from alignflow.flows.stages.prm import run_prm, step_major
@@ -94,16 +95,18 @@ class Plugs:
         register("scripted", Scripted)
 
 
-def label_stage(tmp_path, reward, label, name="labels"):
+def label_stage(tmp_path, reward, label, name="labels", prompts=4, ranks=None):
+    """Run a step_labels stage here, or in `ranks` data-parallel children."""
     plugs = Plugins()
     plugs.add(Plugs, "plugs")
-    data = write(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)])
+    data = write(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(prompts)])
     inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
     spec = parse_spec({"name": "sl", "stages": {"sl": {
         "kind": "step_labels", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": [reward],
         "sampler": "scripted", "settings": {"n": 3, "rollouts": 4, "label": label, "step_separator": "1"}}}},
         plugins=plugs)
-    return run_step_labels(context(tmp_path, name, StepLabelSettings, spec.stages["sl"], inputs, plugs, seed=5))
+    ctx = context(tmp_path, name, StepLabelSettings, spec.stages["sl"], inputs, plugs, seed=5)
+    return run_step_labels(ctx) if ranks is None else run_in_child("step_labels", ctx, threads=1, ranks=ranks)
 
 
 def rows_of(result) -> list[dict]:
@@ -139,6 +142,15 @@ def test_soft_labels_are_shares_of_rollouts_hard_labels_are_any_and_both_are_see
     assert {v for r in hard for v in r["step_labels"]} == {0, 1}
     for r in hard:  # a correct solution is itself a correct completion of each of its prefixes
         assert not r["correct"] or r["step_labels"] == [1] * len(r["steps"])
+
+
+def test_two_ranks_label_what_one_process_does(tmp_path):
+    """100 prompts: two chunks of solutions and several of prefixes to roll out, shared by two ranks that
+    each judge their own rollouts; rank 0 writes the rows one process writes, byte for byte."""
+    one = label_stage(tmp_path, "ends_even", "soft", "one", prompts=100, ranks=1)
+    two = label_stage(tmp_path, "ends_even", "soft", "two", prompts=100, ranks=2)
+    assert one.metrics == two.metrics and one.metrics["rollouts"] > 4 * 64 * 2
+    assert two.outputs["dataset"].read_bytes() == one.outputs["dataset"].read_bytes()
 
 
 # --- the prm stage and the prm reward ---------------------------------------------------------
