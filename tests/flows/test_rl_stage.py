@@ -351,7 +351,8 @@ def test_minibatches_hold_whole_groups_in_a_seeded_order():
     assert all(torch.equal(a, b) for a, b in zip(parts, again))
 
 
-def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny):
+@pytest.mark.parametrize("zero", [0, 2])
+def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny, zero):
     """PPO on greedy rollouts (alike whatever a rank's seed): each of two ranks generates for one prompt and
     trains one micro-batch a step, one process both; the logged metrics and the weights agree. Run with
     one rank's rows only, the critic's values, the whitened advantages and the loss would differ. The
@@ -361,7 +362,7 @@ def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plug
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     evals = write_rows(tmp_path / "eval.jsonl", ["x"] * 130)
     settings = dict(group_size=2, micro_batch_size=2, generation={"max_new_tokens": 4, "temperature": 0.0},
-                    eval_every=1, eval_generation={"max_new_tokens": 4, "temperature": 0.0})
+                    eval_every=1, eval_generation={"max_new_tokens": 4, "temperature": 0.0}, zero_stage=zero)
     runs = {}
     for ranks in (1, 2):
         log = []
