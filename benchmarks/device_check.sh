@@ -54,3 +54,13 @@ intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_va
 timeout 150 python3 benchmarks/rl_step.py --model /tmp/m136 --dataset /tmp/data/rl.jsonl --steps 3 \
     >"$out/rl_step_136m.json" 2>>"$out/rl_step.err"; echo "rl_step 136m rc=$?"; cat "$out/rl_step_136m.json"
 fi
+
+if [[ $parts == *ranks* ]]; then  # only on a machine with 2+ GPUs: one GPU cannot hold two NCCL ranks
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if (( gpus >= 2 )); then
+timeout 300 python3 benchmarks/ranks.py --model builtin:tiny --nproc "$gpus" --steps 3 \
+    2>"$out/ranks.err" | tail -1 >"$out/ranks.json"; echo "ranks rc=$?"; cat "$out/ranks.json"
+else
+echo "ranks: skipped, $gpus GPU(s)"
+fi
+fi
