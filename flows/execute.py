@@ -77,13 +77,15 @@ def stage_count(text: str, where: str, what: str = "stages") -> int:
     return int(text)
 
 
-def data_parallel_ranks(kind: str) -> int:
-    """Processes a stage of `kind` trains on: $ALIGNFLOW_NPROC (`alignflow run --nproc`) for the
-    data-parallel kinds, else 1."""
+def requested_processes() -> int:
+    """$ALIGNFLOW_NPROC (`alignflow run --nproc`), else 1."""
     value = os.environ.get(NPROC_ENV)
-    if value is None:
-        return 1
-    ranks = stage_count(value, NPROC_ENV, "processes")
+    return 1 if value is None else stage_count(value, NPROC_ENV, "processes")
+
+
+def data_parallel_ranks(kind: str) -> int:
+    """Processes a stage of `kind` trains on: `requested_processes()` for the data-parallel kinds, else 1."""
+    ranks = requested_processes()
     if kind not in DATA_PARALLEL_KINDS:
         if ranks > 1:
             log.info("a %s stage runs on one process: %s=%d applies to %s stages", kind, NPROC_ENV, ranks,

@@ -21,7 +21,7 @@ from prefect.utilities.annotations import quote
 from alignflow.core.spec import PipelineSpec, parse_spec
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.digest import data_version
-from alignflow.flows.execute import StageOutcome, execute_stage
+from alignflow.flows.execute import StageOutcome, execute_stage, requested_processes
 from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import StagePlan, plan_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
@@ -94,10 +94,14 @@ def stage_report(plan: StagePlan, state: State) -> StageReport:
                        error="an upstream stage failed")
 
 
+NPROC_TAG = "alignflow.nproc"  # `--nproc`: an rl stage's result depends on it, so a reproduction reuses it
+
+
 def start_tracking(session: Session) -> str:
     """Open the MLflow parent run with the spec and data.dvc as artifacts; returns its id."""
     tags = {"prefect.flow_run_id": str(flow_run.get_id()), "alignflow.pipeline": session.spec.name,
-            "alignflow.data_version": str(data_version(session.project)), **git_state(session.project)}
+            "alignflow.data_version": str(data_version(session.project)),
+            NPROC_TAG: str(requested_processes()), **git_state(session.project)}
     files = {"spec.yaml": session.spec_text}
     dvc_file = session.project / "data.dvc"
     if dvc_file.is_file():

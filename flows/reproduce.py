@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,23 @@ def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[s
 
     return {k: (recorded.get(k), now.get(k)) for k in sorted(set(recorded) | set(now))
             if not same(recorded.get(k), now.get(k))}
+
+
+@contextlib.contextmanager
+def recorded_processes(recorded: str | None) -> Iterator[None]:
+    """Inside: $ALIGNFLOW_NPROC as the run recorded it (runs from before the tag: as it is). After: as before."""
+    from alignflow.flows.execute import NPROC_ENV
+
+    before = os.environ.get(NPROC_ENV)
+    if recorded is not None:
+        os.environ[NPROC_ENV] = recorded
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NPROC_ENV, None)
+        else:
+            os.environ[NPROC_ENV] = before
 
 
 @contextlib.contextmanager
@@ -50,7 +68,7 @@ def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tup
     """Rerun with a fresh artifacts root; returns the new report and {metric: (recorded, now)} mismatches."""
     from mlflow.tracking import MlflowClient
 
-    from alignflow.flows.pipeline import run_pipeline
+    from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
 
     client = MlflowClient(tracking_uri(project))
     parent = client.get_run(run_id)
@@ -61,7 +79,7 @@ def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tup
         names = {f.path for f in client.list_artifacts(run_id)}
         recorded_dvc = Path(client.download_artifacts(run_id, "data.dvc", tmp)).read_text() \
             if "data.dvc" in names else None
-        with recorded_data_version(recorded_dvc, project):
+        with recorded_data_version(recorded_dvc, project), recorded_processes(parent.data.tags.get(NPROC_TAG)):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
             report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts")
     return report, compare_metrics(parent.data.metrics, report.final_metrics())

@@ -147,10 +147,19 @@ def test_a_stage_on_two_ranks_lands_where_one_process_does(first, project, tmp_p
     ranks = run_pipeline(project / "ranks.yaml", ["sft_c.settings.micro_batch_size=4"], project,
                          tmp_path / "artifacts")
     assert statuses(ranks) == {"data": "cached", "sft_c": "ran"}  # data ran in the refused run
+    assert mlflow_tags(project, ranks)["alignflow.nproc"] == "2"  # `alignflow reproduce` reruns with it
     one, two = weights(first, "sft_c"), weights(ranks, "sft_c")
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
     for key, value in stage(first, "sft_c").metrics.items():
         assert stage(ranks, "sft_c").metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def mlflow_tags(project: Path, report: PipelineReport) -> dict[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    from alignflow.flows.tracking import tracking_uri
+
+    return MlflowClient(tracking_uri(project)).get_run(report.mlflow_run_id).data.tags
 
 
 def test_second_run_is_all_cached_and_fast(first, project):
