@@ -179,10 +179,10 @@ def prm_checkpoint(tiny, path):
     return path
 
 
-def with_prm(ctx, tiny, tmp_path):
+def with_prm(ctx, tiny, tmp_path, outcome="ascii_first"):
     """Add a `prm` reward (weight 0) reading the stage's `prm` input, a random-headed tiny PRM."""
     ctx.spec.rewards = StageSpec(kind="rl", rewards=[
-        "ascii_first", {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
+        outcome, {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
     ctx.inputs["prm"] = prm_checkpoint(tiny, tmp_path / "prm")
 
 
@@ -351,24 +351,28 @@ def test_minibatches_hold_whole_groups_in_a_seeded_order():
     assert all(torch.equal(a, b) for a, b in zip(parts, again))
 
 
-@pytest.mark.parametrize("zero", [0, 2])
-def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny, zero):
+@pytest.mark.parametrize("algorithm,zero", [("ppo", 0), ("ppo", 2), ("ppo_process", 0)])
+def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny, algorithm, zero):
     """PPO on greedy rollouts (alike whatever a rank's seed): each of two ranks generates for one prompt and
     trains one micro-batch a step, one process both; the logged metrics and the weights agree. Run with
     one rank's rows only, the critic's values, the whitened advantages and the loss would differ. The
-    evaluation after each step shares its 130 prompts (3 chunks) between the ranks."""
+    evaluation after each step shares its 130 prompts (3 chunks) between the ranks. `ppo_process` also
+    carries each rank's PRM step rewards through the gather."""
     from alignflow.flows.child import run_in_child
 
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     evals = write_rows(tmp_path / "eval.jsonl", ["x"] * 130)
-    settings = dict(group_size=2, micro_batch_size=2, generation={"max_new_tokens": 4, "temperature": 0.0},
+    new_tokens = 24 if algorithm == "ppo_process" else 4  # long enough to hold steps
+    settings = dict(group_size=2, micro_batch_size=2, generation={"max_new_tokens": new_tokens, "temperature": 0.0},
                     eval_every=1, eval_generation={"max_new_tokens": 4, "temperature": 0.0}, zero_stage=zero)
     runs = {}
     for ranks in (1, 2):
         log = []
-        ctx = make_ctx(tmp_path / f"ranks{ranks}", plugins, tiny, "ppo", data, log, rewards=["odd_prompt"],
+        ctx = make_ctx(tmp_path / f"ranks{ranks}", plugins, tiny, algorithm, data, log, rewards=["odd_prompt"],
                        **settings)
         ctx.inputs["eval_dataset"] = evals
+        if algorithm == "ppo_process":
+            with_prm(ctx, tiny, tmp_path / f"ranks{ranks}", outcome="odd_prompt")
         runs[ranks] = (run_rl(ctx) if ranks == 1 else run_in_child("rl", ctx, threads=1, ranks=2)), log
     (one, one_log), (two, two_log) = runs[1], runs[2]
     assert [s for s, _ in two_log] == [s for s, _ in one_log] == [1, 2, 2]
@@ -379,6 +383,8 @@ def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plug
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert one_log[0][1]["reward/total/std"] > 0  # one prompt of each step is odd
     assert one_log[0][1]["eval/accuracy"] == 0.5 and one_log[-1][1]["eval/response_length/mean"] > 0
+    if algorithm == "ppo_process":  # step rewards reached the rollout
+        assert one_log[0][1]["reward/prm/mean"] > 0
     a, b = weights(one.outputs["model"]), weights(two.outputs["model"])
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     assert {p.name for p in (tmp_path / "ranks2").rglob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
