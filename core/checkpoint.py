@@ -174,9 +174,12 @@ def find(root: Path, step: int | None = None) -> Path | None:
 def load(ds, path: Path) -> dict:
     """Restore engine `ds` and this rank's RNG from `path`; returns {"step", "data"}."""
     path = Path(path)
+    saved = len(list(path.glob("rng-rank*.pt")))  # one per rank that saved it
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saved != world:
+        raise CheckpointError(f"{path} was saved by {saved} processes and this run has {world}: resume it on "
+                              f"{saved} (alignflow run --nproc {saved}), or delete {path.parent} to start over")
     rng_file = path / f"rng-rank{_rank()}.pt"
-    if not rng_file.is_file():
-        raise CheckpointError(f"{path} has no {rng_file.name}: it was saved with a different number of ranks")
     loaded, client = ds.load_checkpoint(str(path), tag=TAG)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load {path}")

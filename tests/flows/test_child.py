@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from alignflow.core import hookimpl
+from alignflow.core.checkpoint import CheckpointError
 from alignflow.core.errors import SpecError
 from alignflow.core.plugins import Plugins, get_plugins
 from alignflow.core.settings import TrainSettings
@@ -83,6 +84,16 @@ def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, 
     # two processes did train: the last checkpoint holds a random state per rank
     states = {run: sorted(p.name for p in (tmp_path / run).rglob("rng-rank*.pt")) for run in ("here", "ranks")}
     assert states == {"here": ["rng-rank0.pt"], "ranks": ["rng-rank0.pt", "rng-rank1.pt"]}
+
+
+def test_a_stage_two_ranks_checkpointed_resumes_on_two_ranks_only(tmp_path, data):
+    ranks_ctx, _ = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4, save_every=2)
+    run_in_child("sft", ranks_ctx, threads=1, ranks=2)
+    ctx, _ = context(tmp_path / "one", data, max_steps=6, micro_batch_size=4, save_every=2)
+    ctx.checkpoint_dir = ranks_ctx.checkpoint_dir
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes and this run has 1: resume it on 2 "
+                                              r"\(alignflow run --nproc 2\)"):
+        run_sft(ctx)
 
 
 def test_a_child_raises_what_the_runner_raised(tmp_path, data):
