@@ -128,8 +128,9 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
 
 
 def check_ranks(ctx: StageContext) -> None:
-    """What running on several data-parallel ranks needs: a prompt per rank, and no ZeRO-3 (each rank
-    generates on its own, and a ZeRO-3 forward is a collective every rank would have to join)."""
+    """What running on several data-parallel ranks needs: a prompt per rank, minibatches of a micro-batch
+    per rank, and no ZeRO-3 (each rank generates on its own, and a ZeRO-3 forward is a collective every
+    rank would have to join)."""
     s, world = ctx.settings, int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return
@@ -139,6 +140,12 @@ def check_ranks(ctx: StageContext) -> None:
     if s.prompts_per_step < world:
         raise SpecError(f"stage {ctx.name!r}, settings.prompts_per_step: {s.prompts_per_step} prompts cannot be "
                         f"shared by {world} processes: at least one each")
+    size = s.batch_size or s.prompts_per_step * s.group_size
+    if size % (s.micro_batch_size * world):
+        raise SpecError(f"stage {ctx.name!r}, settings.micro_batch_size: each minibatch of {size} completions "
+                        f"(batch_size, else prompts_per_step x group_size) is shared by {world} processes in "
+                        f"micro-batches of {s.micro_batch_size}: {size} must be a multiple of "
+                        f"{s.micro_batch_size} x {world}")
 
 
 def process_reward(ctx: StageContext, rewards: RewardSet):

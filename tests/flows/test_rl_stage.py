@@ -416,3 +416,7 @@ def test_several_ranks_need_a_prompt_each_and_no_zero3(tmp_path, plugins, tiny, 
         check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, []))
     with pytest.raises(SpecError, match="zero_stage: an rl stage on 4 processes.*use zero_stage 0, 1 or 2"):
         check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4, zero_stage=3))
+    # 4 prompts x 4 = 16 completions a minibatch: micro-batches of 8 cannot give each of 4 ranks one
+    with pytest.raises(SpecError, match="micro_batch_size: each minibatch of 16 completions .* shared by 4 "
+                                        "processes .* 16 must be a multiple of 8 x 4"):
+        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4, micro_batch_size=8))
