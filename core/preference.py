@@ -117,6 +117,9 @@ class OfflineAlgorithm(Algorithm):
 
     batch_type: ClassVar[type]  # the batch dataclass `loss` takes
     needs_kl_pairs: ClassVar[bool] = False  # log-probs of mismatched prompt/completion pairs (KTO)
+    # the loss itself all-reduces over ranks (KTO's reference point), so every rank must run the same
+    # micro-batches: the ranks do not share out the held-out rows
+    loss_reduces_over_ranks: ClassVar[bool] = False
     nll_scope: NllScope | None = None  # which chosen tokens an added NLL term covers; None: no NLL term
 
     def loss(self, batch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor | Mean]]:

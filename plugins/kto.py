@@ -32,6 +32,7 @@ class KTO(OfflineAlgorithm):
     requires_reference = True
     requires_labels = True
     needs_kl_pairs = True
+    loss_reduces_over_ranks = True  # `reference_point`
     batch_type = UnpairedBatch
 
     def loss(self, batch: UnpairedBatch, norm: StepNorm | None = None):

@@ -132,20 +132,27 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
 def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, float]:
     """The algorithm's loss and metrics over held-out rows, taken as one step; {} without rows.
 
-    Every rank scores every row, so the norm is local (no all-reduce) and all ranks agree.
+    The ranks share the micro-batches and all get the metrics over every row, except where each must
+    run every one: under ZeRO-3 (a forward pass is a collective) and for a loss that all-reduces itself.
     """
     if rows is None:
         return {}
     engine.model.eval()
-    micros = micro_batches(rows, list(range(len(rows))), micro, feed.collate)
-    norm = StepNorm.of([feed.norm_mask(m) for m in micros])
+    share = engine.settings.zero_stage != 3 and not algo.loss_reduces_over_ranks
+    slices = micro_slices(list(range(len(rows))), micro)
+    if share:
+        slices = slices[engine.rank::engine.world_size]
+    micros = [feed.collate(rows.select(idx).to_list()) for idx in slices]
+    masks = [feed.norm_mask(m) for m in micros]
+    norm = engine.step_norm(masks) if share else StepNorm.of(masks)
     loss, tally = 0.0, Tally()
     for m in micros:
         micro_loss, metrics = algo.loss(feed.batch(m), norm)
         loss += micro_loss.item()
         tally.add(metrics, feed.weight(m))
     engine.model.train()
-    return {**algo.summarize(tally.means()), "loss": loss}
+    means, loss = tally.over_ranks(loss) if share else (tally.means(), loss)
+    return {**algo.summarize(means), "loss": loss}
 
 
 def final_metrics(train: dict[str, float], held_out: dict[str, float], steps: int) -> dict[str, float]:

@@ -67,10 +67,12 @@ def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
 
 
 def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data):
-    # 8 rows a step: here two micro-batches of 4 accumulated, there 4 rows on each of two ranks
-    here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4, micro_batch_size=4)
+    # 8 rows a step: here two micro-batches of 4 accumulated, there 4 rows on each of two ranks; the 16
+    # held-out rows are four micro-batches, two on each rank
+    here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4, micro_batch_size=4, eval_fraction=0.25)
     here = run_sft(here_ctx)
-    ranks_ctx, ranks_logged = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4)
+    ranks_ctx, ranks_logged = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4,
+                                      eval_fraction=0.25)
     ranks = run_in_child("sft", ranks_ctx, threads=1, ranks=2)
     # rank 0 logs once for the stage, and its loss and accuracy are over both ranks' rows (its own
     # share of the loss alone would be about half)
@@ -79,6 +81,7 @@ def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, 
         assert a.keys() == b.keys()
         for key in a:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    assert "eval/loss" in ranks_logged[-1][1]  # the held-out rows were scored (and agree, above)
     a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, ranks))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     # two processes did train: the last checkpoint holds a random state per rank
