@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.ranks import rank_and_world
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return rank_and_world()[0]
 
 
 def _barrier() -> None:
@@ -175,7 +176,7 @@ def load(ds, path: Path) -> dict:
     """Restore engine `ds` and this rank's RNG from `path`; returns {"step", "data"}."""
     path = Path(path)
     saved = len(list(path.glob("rng-rank*.pt")))  # one per rank that saved it
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = rank_and_world()[1]
     if saved != world:
         raise CheckpointError(f"{path} was saved by {saved} processes and this run has {world}: resume it on "
                               f"{saved} (alignflow run --nproc {saved}), or delete {path.parent} to start over")

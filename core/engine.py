@@ -62,8 +62,8 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                          ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0", ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from alignflow.core.aggregation import StepNorm
 from alignflow.core.data import load_rows, tokenize
 from alignflow.core.errors import DataError
 from alignflow.core.preference import Mean
 from alignflow.core.progress import progress
+from alignflow.core.ranks import gathered
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.training import micro_slices, step_rows
 
@@ -57,10 +57,9 @@ class Tally:
 
     def over_ranks(self, loss: float) -> tuple[dict[str, float], float]:
         """(the means over every rank's examples, `loss` summed over ranks: each holds its share)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        parts = gathered((self.sums, self.weights, loss))
+        if len(parts) == 1:
             return self.means(), loss
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, (self.sums, self.weights, loss))
         total = Tally()
         for sums, weights, _ in parts:
             for key in sums:

@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.distributed as dist
 
 from alignflow.core.data import pad
 from alignflow.core.rl import Rollout
-from alignflow.flows.stages.scoring import generate_and_score, prompt_ids, rank_and_world
+from alignflow.core.ranks import gathered, rank_and_world
+from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
 ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
@@ -150,7 +150,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         seed = ctx.seed * 1_000_003 + step * 101 + rounds + rank * RANK_SEED  # a function of (step, round, rank)
         samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
                                     [rounds * want + i for i in mine], process_reward)
-        samples = whole_round(samples, world)
+        samples = whole_round(samples)
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -170,12 +170,11 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     return Samples.join(kept), Samples.join(drawn), metrics
 
 
-def whole_round(samples: Samples, world: int) -> Samples:
+def whole_round(samples: Samples) -> Samples:
     """Every rank's samples of a round on every rank, in group order (each group's in sampler order)."""
-    if world == 1:
+    parts = gathered(samples)
+    if len(parts) == 1:
         return samples
-    parts: list = [None] * world
-    dist.all_gather_object(parts, samples)
     joined = Samples.join(parts)
     return joined.take(sorted(range(len(joined)), key=joined.group.__getitem__))
 

@@ -16,9 +16,9 @@ from torch import Tensor
 
 from alignflow.core.aggregation import aggregate
 from alignflow.core.models import token_logprobs
+from alignflow.core.ranks import gathered, rank_and_world
 from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
 from alignflow.flows.stages.rl_rollout import Batch
-from alignflow.flows.stages.scoring import rank_and_world
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:
@@ -102,17 +102,16 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
             for k, v in (critic.step() if critic is not None else {}).items():
                 step_metrics[f"critic/{k}"].append(v)
     if world > 1:
-        micro_metrics, step_losses = over_ranks(micro_metrics, step_losses, world)
+        micro_metrics, step_losses = over_ranks(micro_metrics, step_losses)
         dist.all_reduce(entropy)
     out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
     out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
     return out
 
 
-def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float], world: int):
+def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float]):
     """Every rank's micro-batch metrics, and each step's loss summed over the ranks' shares."""
-    parts: list = [None] * world
-    dist.all_gather_object(parts, (dict(micro_metrics), step_losses))
+    parts = gathered((dict(micro_metrics), step_losses))
     merged: dict[str, list[float]] = defaultdict(list)
     for metrics, _ in parts:
         for k, v in metrics.items():

@@ -10,11 +10,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.progress import progress
+from alignflow.core.ranks import gathered, rank_and_world
 from alignflow.core.rewards import RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
@@ -86,13 +86,6 @@ def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
     return cols
 
 
-def rank_and_world() -> tuple[int, int]:
-    """This process's rank and the number of ranks: (0, 1) without a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def join_ranks() -> tuple[int, int]:
     """(rank, world) of the launcher's process group, joined on first use; (0, 1) without a launcher."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -127,12 +120,7 @@ def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: 
 
 def every_rank(pieces: list[tuple]) -> list[tuple]:
     """Every rank's (first prompt's index, ...) pieces on every rank, in prompt order."""
-    world = rank_and_world()[1]
-    if world == 1:
-        return pieces
-    shares: list = [None] * world
-    dist.all_gather_object(shares, pieces)
-    return sorted((p for share in shares for p in share), key=lambda p: p[0])
+    return sorted((p for share in gathered(pieces) for p in share), key=lambda p: p[0])
 
 
 def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,

@@ -14,9 +14,10 @@ prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, 
 from __future__ import annotations
 
 from alignflow.core.data import load_rows, split_steps
+from alignflow.core.ranks import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import (CHUNK, chunks, columns_for, every_rank, generate_and_score, judge,
-                                            load_sampler, rank_and_world, reward_set)
+                                            load_sampler, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete

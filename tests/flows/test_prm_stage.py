@@ -1,6 +1,7 @@
 """Process reward models: the step labels by rollouts, the prm stage, the prm reward, best-of-n."""
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -75,6 +76,9 @@ class Scripted(Sampler):
         self.tokenizer = tokenizer
 
     def generate(self, prompt_ids, n, gen, seed):
+        if "CALLS_FILE" in os.environ:  # which rank sampled how many prompts (children inherit it)
+            with open(os.environ["CALLS_FILE"], "a") as f:
+                f.write(f"{os.environ.get('RANK', '0')} {len(prompt_ids)}\n")
         rng = random.Random(seed)
         texts = ["1".join(rng.choice(self.WORDS) for _ in range(rng.randint(1, 3)))
                  for _ in range(len(prompt_ids) * n)]
@@ -144,11 +148,15 @@ def test_soft_labels_are_shares_of_rollouts_hard_labels_are_any_and_both_are_see
         assert not r["correct"] or r["step_labels"] == [1] * len(r["steps"])
 
 
-def test_two_ranks_label_what_one_process_does(tmp_path):
+def test_two_ranks_label_what_one_process_does(tmp_path, monkeypatch):
     """100 prompts: two chunks of solutions and several of prefixes to roll out, shared by two ranks that
     each judge their own rollouts; rank 0 writes the rows one process writes, byte for byte."""
     one = label_stage(tmp_path, "ends_even", "soft", "one", prompts=100, ranks=1)
+    monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
     two = label_stage(tmp_path, "ends_even", "soft", "two", prompts=100, ranks=2)
+    calls = [line.split() for line in (tmp_path / "calls").read_text().splitlines()]
+    assert ["1", "36"] in calls  # rank 1 sampled the second chunk of solutions, prompts 64-99
+    assert {rank for rank, _ in calls} == {"0", "1"} and sum(rank == "1" for rank, _ in calls) > 1
     assert one.metrics == two.metrics and one.metrics["rollouts"] > 4 * 64 * 2
     assert two.outputs["dataset"].read_bytes() == one.outputs["dataset"].read_bytes()
 
