@@ -1,7 +1,6 @@
 """The rejection_sampling stage: which completions become SFT rows or preference pairs, and the metrics."""
 
 import json
-import os
 
 import pytest
 
@@ -16,6 +15,7 @@ from alignflow.core.spec import parse_spec
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rejection import run_rejection_sampling, select_rows
 from alignflow.flows.stages.scoring import Scored
+from recording import Samplers, record
 
 
 def handmade(texts: list[list[str]], totals: list[list[float]], correct: list[list[bool]]) -> Scored:
@@ -64,13 +64,6 @@ def even_start(prompts, completions, **_):
     return [float(even(c)) for c in completions]
 
 
-def record(call: str) -> None:
-    """Note a call and the rank making it in $CALLS_FILE, when set (children inherit it)."""
-    if "CALLS_FILE" in os.environ:
-        with open(os.environ["CALLS_FILE"], "a") as f:
-            f.write(f"{os.environ.get('RANK', '0')} {call}\n")
-
-
 def even(text: str) -> bool:
     return bool(text) and ord(text[0]) % 2 == 0
 
@@ -80,21 +73,6 @@ class Rewards:
     @hookimpl
     def register_rewards(register):
         register("even_start", even_start)
-
-
-class CountingHF(alignflow.plugins.hf.HFSampler):
-    """The hf sampler, noting each call's rank and prompt count (`record`)."""
-
-    def generate(self, prompt_ids, n, gen, seed):
-        record(f"generate {len(prompt_ids)}")
-        return super().generate(prompt_ids, n, gen, seed)
-
-
-class Samplers:
-    @staticmethod
-    @hookimpl
-    def register_samplers(register):
-        register("counting_hf", CountingHF)
 
 
 def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):

@@ -4,16 +4,32 @@ import pytest
 import torch
 
 from alignflow.core import SpecError
+from alignflow.core.models import build_tiny
+from alignflow.core.plugins import get_plugins
 from alignflow.flows.child import run_in_child
 from alignflow.flows.stages.rl import check_ranks, run_rl
-import test_rl_stage
-from test_rl_stage import make_ctx, weights, with_prm, write_rows
+from recording import Samplers
+from test_rl_stage import TestRewards, make_ctx, weights, with_prm, write_rows
 
-plugins, tiny = test_rl_stage.plugins, test_rl_stage.tiny  # the fixtures: the test plugins, the tiny model
+
+@pytest.fixture(scope="module")
+def plugins():
+    p = get_plugins()
+    p.add(TestRewards, "test_rl_stage")
+    p.add(Samplers, "recording")
+    yield p
+    p.remove("recording")
+    p.remove("test_rl_stage")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
 @pytest.mark.parametrize("algorithm,zero", [("ppo", 0), ("ppo", 2), ("ppo_process", 0)])
-def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny, algorithm, zero):
+def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plugins, tiny, algorithm, zero,
+                                                                   monkeypatch):
     """PPO on greedy rollouts (alike whatever a rank's seed): each of two ranks generates for one prompt and
     trains one micro-batch a step, one process both; the logged metrics and the weights agree. Run with
     one rank's rows only, the critic's values, the whitened advantages and the loss would differ. The
@@ -28,7 +44,8 @@ def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plug
     for ranks in (1, 2):
         log = []
         ctx = make_ctx(tmp_path / f"ranks{ranks}", plugins, tiny, algorithm, data, log, rewards=["odd_prompt"],
-                       **settings)
+                       sampler="counting_hf", **settings)
+        monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))
         ctx.inputs["eval_dataset"] = evals
         if algorithm == "ppo_process":
             with_prm(ctx, tiny, tmp_path / f"ranks{ranks}", outcome="odd_prompt")
@@ -42,6 +59,11 @@ def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plug
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
     assert one_log[0][1]["reward/total/std"] > 0  # one prompt of each step is odd
     assert one_log[0][1]["eval/accuracy"] == 0.5 and one_log[-1][1]["eval/response_length/mean"] > 0
+    # each rank generated its prompt of a round; of the evaluation's chunks (64, 64, 2 prompts) rank 1 took
+    # the second alone, rank 0 the others
+    calls = set((tmp_path / "calls2").read_text().splitlines())
+    assert {"0 generate 1", "1 generate 1", "0 generate 64", "0 generate 2", "1 generate 64"} <= calls
+    assert "1 generate 2" not in calls
     if algorithm == "ppo_process":  # step rewards reached the rollout
         assert one_log[0][1]["reward/prm/mean"] > 0
     a, b = weights(one.outputs["model"]), weights(two.outputs["model"])
