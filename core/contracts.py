@@ -39,6 +39,7 @@ class Sampler:
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     online: ClassVar[bool] = True  # takes new policy weights after each update
+    loads_checkpoint: ClassVar[bool] = False  # sampling stages pass a checkpoint folder to `load`, not a module
 
     def __init__(self, config: PluginConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -54,6 +55,12 @@ class Sampler:
     def update_weights(self, model: Any) -> None:
         """Take the policy's new weights after an optimizer update."""
         raise NotImplementedError
+
+    def release(self) -> None:
+        """The trainer is about to step: free what generation holds (a GPU engine's memory). Optional."""
+
+    def close(self) -> None:
+        """The stage is done with this sampler: stop engines, remove temporary files. Optional."""
 
 
 class Selector:

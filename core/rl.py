@@ -47,6 +47,8 @@ class Rollout:
     # process supervision (requires_step_rewards): a reward at each reasoning step's last token
     step_rewards: Tensor | None = None  # [B, T] the step's reward at its last token, 0 elsewhere
     step_mask: Tensor | None = None  # [B, T] 1 at each step's last token
+    # [B, T] the sampler's own log-probs (the behaviour policy mu), kept beside a recomputed pi_old
+    sampler_logprobs: Tensor | None = None
 
     def __post_init__(self):
         b, t = self.response_mask.shape

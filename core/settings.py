@@ -67,8 +67,13 @@ class RLSettings(TrainSettings):
     eval_every: int = Field(0, ge=0)  # rollouts between held-out evaluations (0: only at the end)
     critic_lr: float | None = None  # None: lr
     # A no-grad forward for pi_old instead of the sampler's log-probs: for samplers whose numerics
-    # differ from the trainer's (vLLM, bf16); on CPU the sampler's are the same distribution.
+    # differ from the trainer's (vLLM, bf16); on CPU in fp32 the sampler's are the same distribution.
     recompute_old_logprobs: bool = False
+    # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    # off-policy RL training"): each token's policy loss is weighted by min(pi_old / mu, tis_cap), mu the
+    # sampler's probability and pi_old the trainer's (recomputed), which corrects the rollout/trainer
+    # mismatch; None: no correction. The paper (and TRL, verl) use 2.
+    tis_cap: float | None = Field(None, gt=0.0)
 
 
 class PRMSettings(TrainSettings):

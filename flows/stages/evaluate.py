@@ -14,7 +14,7 @@ from alignflow.core.data import load_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.ranks import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
+from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -55,9 +55,9 @@ def run_evaluate(ctx: StageContext) -> StageResult:
         if name not in names:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
-    sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
+    with loaded_sampler(ctx) as (sampler, tokenizer):
+        scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))

@@ -8,19 +8,26 @@ from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score,
 from alignflow.flows.stages.training import plugin
 
 
-def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/") -> dict[str, float]:
+def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", sampler=None) -> dict[str, float]:
     """Greedy (per `eval_generation`) completions for `eval_dataset` prompts, scored; {} without rewards.
 
-    Every rank calls it: the ranks share the prompts, unless under ZeRO-3, where each forward pass is a
-    collective and so every rank generates every completion alike.
+    `sampler`: one that already holds `model`'s weights (the rl stage's own); else the stage's sampler is
+    loaded for this evaluation and closed after it. Every rank calls it: the ranks share the prompts,
+    unless under ZeRO-3, where each forward pass is a collective and so every rank generates every
+    completion alike.
     """
     if "eval_dataset" not in ctx.inputs or not ctx.spec.rewards:
         return {}
     s = ctx.settings
     rows = load_rows(ctx.inputs["eval_dataset"], "prompt_answer").to_list()[: s.eval_limit]
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    sampler.load(model, tokenizer)
-    rewards = reward_set(ctx)
-    scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, rewards,
-                                shard=s.zero_stage != 3)
+    own = sampler is None
+    if own:
+        sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+        sampler.load(model, tokenizer)
+    try:
+        scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, reward_set(ctx),
+                                    shard=s.zero_stage != 3)
+    finally:
+        if own:
+            sampler.close()
     return {prefix + k: v for k, v in accuracy_metrics(scored).items()}

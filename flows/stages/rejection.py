@@ -14,7 +14,7 @@ from __future__ import annotations
 from alignflow.core.data import load_rows
 from alignflow.core.ranks import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, load_sampler, reward_set
+from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl
 
 
@@ -61,9 +61,10 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
 def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
-    sampler, tokenizer = load_sampler(ctx)
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx), shard=True)
+    with loaded_sampler(ctx) as (sampler, tokenizer):
+        scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
+                                    shard=True)
 
     kept = select_rows(scored, s.output, s.pairs_per_prompt)
     out = ctx.work_dir / "data.jsonl"

@@ -168,7 +168,7 @@ def run_rl(ctx: StageContext) -> StageResult:
         for step in range(engine.step_count // updates, total):
             metrics = rl_step(ctx, p, step)
             if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
-                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer))
+                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
             bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
                        accuracy=metrics["accuracy"])
             if (step + 1) % s.log_every == 0 or step + 1 == total:
@@ -180,7 +180,10 @@ def run_rl(ctx: StageContext) -> StageResult:
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
-    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer))
+    try:
+        final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
+    finally:
+        p.sampler.close()
     ctx.log_metrics(final, total)
     headline = "eval/accuracy" if "eval/accuracy" in final else None
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
@@ -205,7 +208,8 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
         return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature)
 
     fill = {}  # the forward passes this algorithm needs before its advantages, and no other
-    if s.recompute_old_logprobs or (kept.logprobs is None and p.algo.needs_old_logprobs):
+    p.sampler.release()  # a GPU engine frees its memory while the trainer steps
+    if s.recompute_old_logprobs or s.tis_cap is not None or (kept.logprobs is None and p.algo.needs_old_logprobs):
         fill["old_logprobs"] = logprobs(p.engine.model)
     if p.reference is not None:
         fill["ref_logprobs"] = logprobs(p.reference)

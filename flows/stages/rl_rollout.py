@@ -186,10 +186,10 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
     ids = pad(seqs, pad_id)
     attention = pad([[1] * len(x) for x in seqs], 0)
     response = pad([[0] * n + [1] * len(c) for n, c in zip(prompt_len, samples.completion_ids)], 0).float()
+    sampled = None
     if samples.logprobs is not None:
-        old = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()
-    else:
-        old = torch.zeros_like(response)
+        sampled = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()
+    old = sampled if sampled is not None else torch.zeros_like(response)
     step_rewards = step_mask = None
     if samples.steps is not None:
         step_rewards, step_mask = torch.zeros_like(response), torch.zeros_like(response)
@@ -200,7 +200,7 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
         rewards=torch.tensor(samples.reward, dtype=torch.float32), group=torch.tensor(samples.group),
         response_mask=response, old_logprobs=old, max_new_tokens=max_new_tokens,
         correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
-        step_rewards=step_rewards, step_mask=step_mask,
+        step_rewards=step_rewards, step_mask=step_mask, sampler_logprobs=sampled,
     )
     return Batch(ids, attention, rollout)
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from alignflow.core.aggregation import aggregate
 from alignflow.core.models import token_logprobs
 from alignflow.core.ranks import gathered, rank_and_world
-from alignflow.core.rl_parts import advantage_metrics, kl_estimate, masked_mean
+from alignflow.core.rl_parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estimate, masked_mean
 from alignflow.flows.stages.rl_rollout import Batch
 
 
@@ -82,13 +82,14 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
     step_losses: list[float] = []  # this rank's share of each step's loss
     entropy = torch.zeros(2, device=r.rewards.device)  # sum over response tokens, token count
     for epoch in range(s.ppo_epochs):
-        for minibatch in minibatches(r.group, n_minibatches, generator):
+        for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
             micro = chunks(minibatch, s.micro_batch_size)
             mine = micro[rank::world]
             norm = engine.step_norm([r.response_mask[m] for m in mine], algo.norm_constant(r))
             step_loss = 0.0
             for rows in mine:
-                metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature)
+                metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature,
+                                          tis_cap=s.tis_cap, measure=epoch == 0 and index == 0)
                 if epoch == 0:
                     entropy += ent
                 step_loss += float(metrics.pop("actor/loss"))
@@ -120,9 +121,12 @@ def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float]):
 
 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-               norm, temperature: float, weight: float = 1.0) -> tuple[dict[str, Tensor], Tensor]:
+               norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
+               measure: bool = False) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
-    token count) of the rows."""
+    token count) of the rows. `tis_cap` weights each token's policy loss by min(pi_old / mu, cap) (mu the
+    sampler's probability); `measure` (the first minibatch, before any update) adds the gap between the
+    sampler's log-probs and the trainer's on the sampled tokens."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
     logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
@@ -130,6 +134,14 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
     values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
     view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
     per_token, metrics = algo.loss(view)
+    if r.sampler_logprobs is not None:
+        sampled = r.sampler_logprobs[rows]
+        if measure:
+            metrics.update(mismatch_metrics(view.logprobs.detach(), sampled, view.response_mask))
+        if tis_cap is not None:
+            tis = torch.exp((view.old_logprobs - sampled).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            per_token = per_token * tis.clamp(max=tis_cap).detach()
+            metrics["rollout/tis_capped_frac"] = masked_mean((tis > tis_cap).float(), view.response_mask)
     loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
     engine.backward(loss * weight)
     metrics["actor/loss"] = loss.detach()
@@ -138,6 +150,13 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
         critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm) * weight)
         metrics.update(value_metrics)
     return metrics, torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+
+
+def mismatch_metrics(trainer: Tensor, sampler: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's on the same weights:
+    mean |difference| and the k3 estimate of KL(sampler || trainer)."""
+    return {"rollout/logprob_abs_diff": masked_mean((trainer - sampler).abs(), mask),
+            "rollout/kl_sampler_trainer": masked_mean(kl_estimate(sampler, trainer), mask)}
 
 
 def rollout_stats(rollout, advantages: Tensor) -> dict[str, float]:

@@ -7,6 +7,7 @@ all tests passed for `code_exec`): accuracy and pass@k count those.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +61,23 @@ def _input_value(ctx, value):
     return value
 
 
-def load_sampler(ctx, key: str = "model"):
-    """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer."""
+@contextmanager
+def loaded_sampler(ctx, key: str = "model"):
+    """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer;
+    closed (its engine stopped) when the block ends. A sampler that `loads_checkpoint` gets the folder."""
     join_ranks()  # a rank's GPU is chosen as it joins: before the model moves there
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     with model_source(ctx, key) as src:
         tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    sampler.load(model, tokenizer)
-    return sampler, tokenizer
+        if sampler.loads_checkpoint:
+            sampler.load(src, tokenizer)
+        else:
+            model = load_model_for(ctx, src, dtype="fp32").to("cuda" if torch.cuda.is_available() else "cpu")
+            sampler.load(model, tokenizer)
+    try:
+        yield sampler, tokenizer
+    finally:
+        sampler.close()
 
 
 def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:

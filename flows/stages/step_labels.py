@@ -17,7 +17,7 @@ from alignflow.core.data import load_rows, split_steps
 from alignflow.core.ranks import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import (CHUNK, chunks, columns_for, every_rank, generate_and_score, judge,
-                                            load_sampler, reward_set)
+                                            loaded_sampler, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
@@ -28,37 +28,44 @@ def prefix(steps: list[str], i: int, separator: str) -> str:
     return "".join(step + separator for step in steps[: i + 1])
 
 
-def run_step_labels(ctx: StageContext) -> StageResult:
-    """Sample solutions, complete their step prefixes, write labelled `steps` rows to `data.jsonl`."""
-    s = ctx.settings
-    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
-    rewards = reward_set(ctx)
-    sampler, tokenizer = load_sampler(ctx, "model")
-    scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
-
-    solutions, seen = [], set()  # (prompt index, text, steps, correct), distinct per prompt
+def solutions_and_prefixes(scored, s) -> tuple[list[tuple], list[tuple[int, str]]]:
+    """The distinct solutions per prompt (prompt index, text, steps, correct), and every step prefix whose
+    label needs rollouts, once per prompt."""
+    solutions, seen = [], set()
     for i, text, ok in zip(scored.generation.prompt_index, scored.generation.texts, scored.correct):
         steps = split_steps(text, s.step_separator)
         if steps and (i, text) not in seen:
             seen.add((i, text))
             solutions.append((i, text, steps, ok))
-
-    def witnessed(ok: bool) -> bool:  # with hard labels a correct solution labels its own prefixes
-        return ok and s.label == "hard"
-
-    # Every prefix whose label needs rollouts, once per prompt.
     todo = list(dict.fromkeys(
         (i, prefix(steps, k, s.step_separator))
-        for i, _, steps, ok in solutions if not witnessed(ok)
+        for i, _, steps, ok in solutions if not witnessed(ok, s)
         for k in range(len(steps) - 1)))
-    if "completer" in ctx.inputs:
-        del sampler  # one model in memory at a time
-        sampler, tokenizer = load_sampler(ctx, "completer")
-    hits = rollout_hits(ctx, sampler, tokenizer, rows, todo, rewards)
+    return solutions, todo
+
+
+def witnessed(ok: bool, s) -> bool:
+    """With hard labels a correct solution labels its own prefixes."""
+    return ok and s.label == "hard"
+
+
+def run_step_labels(ctx: StageContext) -> StageResult:
+    """Sample solutions, complete their step prefixes, write labelled `steps` rows to `data.jsonl`."""
+    s = ctx.settings
+    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    rewards = reward_set(ctx)
+    with loaded_sampler(ctx, "model") as (sampler, tokenizer):
+        scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
+        solutions, todo = solutions_and_prefixes(scored, s)
+        if "completer" not in ctx.inputs:
+            hits = rollout_hits(ctx, sampler, tokenizer, rows, todo, rewards)
+    if "completer" in ctx.inputs:  # one model in memory at a time
+        with loaded_sampler(ctx, "completer") as (sampler, tokenizer):
+            hits = rollout_hits(ctx, sampler, tokenizer, rows, todo, rewards)
 
     out = []
     for i, text, steps, ok in solutions:
-        counts = [s.rollouts if witnessed(ok) else hits[(i, prefix(steps, k, s.step_separator))]
+        counts = [s.rollouts if witnessed(ok, s) else hits[(i, prefix(steps, k, s.step_separator))]
                   for k in range(len(steps) - 1)]
         labels = [int(h > 0) if s.label == "hard" else h / s.rollouts for h in counts] + [int(ok)]
         out.append({**rows[i], "completion": text, "correct": ok, "steps": steps, "step_labels": labels})

