@@ -100,10 +100,7 @@ class VLLMSampler(Sampler):
     def _write_weights(model, folder: Path) -> None:
         from safetensors.torch import save_file
 
-        params = list(model.parameters())
-        zero3 = any(hasattr(p, "ds_id") for p in params)
-        gathered = _gathered(params) if zero3 else _nothing()
-        with gathered:  # a ZeRO-3 module's weights are shards until gathered
+        with _gathered(model):  # a ZeRO-3 module's weights are shards until gathered
             state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
         tmp = folder / "model.safetensors.tmp"
         save_file(state, str(tmp))
@@ -153,11 +150,12 @@ class VLLMSampler(Sampler):
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
 
-        if self.transfer is None:
+        if self.transfer is None:  # each rank drives its own engine: rank 0 of its own transfer
             self.transfer = IPCTrainerWeightTransferEngine.trainer_init(
-                IPCTrainerInitInfo(), client=_LLMClient(self.llm), source=ModuleSource(model))
+                IPCTrainerInitInfo(rank=0), client=_LLMClient(self.llm), source=ModuleSource(model))
         self.transfer.source = ModuleSource(model)
-        self.transfer.send_weights()
+        with _gathered(model):
+            self.transfer.send_weights()
 
     def release(self) -> None:
         """GPU sleep mode: free the weights and KV cache while the trainer steps (the next sync refills them)."""
@@ -226,15 +224,12 @@ class _LLMClient:
         self.llm.collective_rpc("finish_weight_update")
 
 
-def _gathered(params):
+def _gathered(model):
+    """The module's whole weights for the duration: gathered from ZeRO-3 shards when it has them."""
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(params)
-
-
-@contextmanager
-def _nothing():
-    yield
+    params = list(model.parameters())
+    return deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params))
 
 
 @hookimpl

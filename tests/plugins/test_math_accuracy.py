@@ -61,3 +61,19 @@ def test_math_accuracy_off_the_main_thread():
 def test_math_accuracy_in_a_process_pool():
     with ProcessPoolExecutor(2) as pool:
         assert list(pool.map(_score_one, PAIRS)) == [1.0, 0.0]
+
+
+def math_verify_says(pred: str, gold: str) -> bool:
+    from math_verify import parse, verify
+
+    return bool(verify(parse(f"${gold}$"), parse(f"${pred}$")))
+
+
+def test_integers_compare_as_math_verify_compares_them():
+    """The fast path for two plain integers gives math-verify's own verdict, on the task's shapes of
+    answer (every pair of 0..120 and signs) and on the odd ones (leading zeros, minus zero, long)."""
+    numbers = [str(i) for i in range(121)] + ["-7", "-0", "007", "0012", "10000000000000000000001"]
+    pairs = [(a, b) for a in numbers for b in numbers[::7]] + [("007", "7"), ("-0", "0"), ("0012", "12"),
+                                                               ("10000000000000000000001", "1e22")]
+    for pred, gold in pairs:
+        assert is_equivalent(pred, gold) == math_verify_says(pred, gold), (pred, gold)
