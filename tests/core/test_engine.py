@@ -200,3 +200,31 @@ def test_zero2_two_ranks_follow_one_rank(tmp_path):
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, rtol=1e-5, atol=1e-7)
+
+
+COMPILES_NOTHING = """
+import torch, transformers
+from alignflow.core.engine import Engine
+from alignflow.core.settings import TrainSettings
+torch.manual_seed(0)
+model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+engine = Engine.create(model, TrainSettings(batch_size=2, micro_batch_size=2), total_steps=1)
+ids = torch.randint(0, 64, (2, 8))
+engine.backward(engine.model(input_ids=ids, labels=ids).loss)
+engine.step()
+import deepspeed.comm.comm as comm
+print("shm_op", comm.cdb.shm_comm_op)
+"""
+
+
+def test_a_cpu_engine_compiles_no_deepspeed_op(tmp_path):
+    """A fresh machine's first training stage starts at once: no JIT build of DeepSpeed's shared-memory
+    all-reduce (46 s to 5 minutes, under a lock every environment shares) into the extensions folder."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    out = subprocess.run([sys.executable, "-c", COMPILES_NOTHING], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "shm_op None" in out.stdout
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
