@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--model", help="a checkpoint folder instead of a freshly built model")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rl-steps", type=int, default=2)
+    parser.add_argument("--bind", default="auto", help="the vllm sampler's cpu_threads_bind (e.g. 0-1: both cores)")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr):  # engine and library chatter off stdout
         out = measure(args)
@@ -98,13 +99,13 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else build_tiny(Path(tmp) / "model", seed=0, **SIZES[args.size])
         model, tokenizer = load_model(path).eval(), load_tokenizer(path)
-        hf, vllm = HFSampler(), VLLMSampler()
+        hf, vllm = HFSampler(), VLLMSampler(VLLMSampler.Config(cpu_threads_bind=args.bind))
         hf.load(model, tokenizer)
         start = time.perf_counter()
         vllm.load(path, tokenizer)
         started = time.perf_counter() - start
         out = {"config": {"model": str(args.model or args.size), "parameters": sum(p.numel() for p in model.parameters()),
-                          "prompts": 16, "n": 8, "max_new_tokens": 48, "torch_threads": torch.get_num_threads()},
+                          "prompts": 16, "n": 8, "max_new_tokens": 48, "torch_threads": torch.get_num_threads(), "vllm_cpu_threads_bind": args.bind},
                "vllm_engine_start_s": started,
                "generation": generation({"hf": hf, "vllm": vllm}, prompts(tokenizer), args.repeats)}
         vllm.close()
