@@ -1,5 +1,6 @@
 """Stages on the vllm sampler give what they give on hf: the rl stage's rollouts step by step (its weights
-synced into the engine after each update), and the evaluate stage's samples byte for byte.
+synced into the engine after each update), the evaluate stage's samples byte for byte, and a
+rejection_sampling stage on two ranks, each with its own engine, one hf process's rows.
 
 Greedy decoding, so both samplers must make the same tokens; fp32, so the same log-probs. Runs where vLLM
 is installed (`.ci/run` builds an environment for it); skipped elsewhere.
@@ -13,15 +14,21 @@ import torch
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
+import alignflow.plugins.hf  # noqa: E402
+import alignflow.plugins.vllm_sampler  # noqa: E402
 from alignflow.core import hookimpl  # noqa: E402
-from alignflow.core.settings import EvaluateSettings  # noqa: E402
-from alignflow.core.spec import StageSpec  # noqa: E402
+from alignflow.core.models import build_tiny  # noqa: E402
+from alignflow.core.plugins import Plugins  # noqa: E402
+from alignflow.core.settings import EvaluateSettings, SampleSettings  # noqa: E402
+from alignflow.core.spec import StageSpec, parse_spec  # noqa: E402
+from alignflow.flows.child import run_in_child  # noqa: E402
 from alignflow.flows.stages import StageContext  # noqa: E402
 from alignflow.flows.stages.evaluate import run_evaluate  # noqa: E402
 from alignflow.flows.stages.rl import run_rl  # noqa: E402
 from alignflow.plugins.hf import HFSampler  # noqa: E402
 from alignflow.plugins.vllm_sampler import VLLMSampler  # noqa: E402
 
+from tests.flows.test_rejection_stage import Rewards  # noqa: E402
 from tests.flows.test_rl_stage import make_ctx, plugins, tiny, weights, write_rows  # noqa: E402, F401
 
 CALLS: dict[str, list] = {}
@@ -99,3 +106,29 @@ def test_evaluate_stage_writes_the_same_samples(tmp_path, samplers, tiny):  # no
         result = run_evaluate(ctx)
         written[name] = result.outputs["dataset"].read_bytes()
     assert written["hf"] == written["vllm"]
+
+
+def test_two_ranks_each_with_an_engine_sample_what_one_hf_process_does(tmp_path):
+    """A rejection_sampling stage on two ranks, each starting its own engine, over 70 prompts (two seeded
+    chunks: one per rank), greedy: the pairs written are one hf process's, byte for byte."""
+    plugs = Plugins()
+    plugs.add(alignflow.plugins.hf, "hf")
+    plugs.add(alignflow.plugins.vllm_sampler, "vllm")
+    plugs.add(Rewards, "rewards")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(70)))
+    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
+    out = {}
+    for sampler, ranks in (("hf", 1), ("vllm", 2)):
+        spec = parse_spec({"name": "rs", "stages": {"rs": {
+            "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
+            "sampler": sampler, "settings": {"n": 1, "output": "sft",
+                                             "generation": {"max_new_tokens": 6, "temperature": 0.0}}}}}, plugins=plugs)
+        stage = spec.stages["rs"]
+        (tmp_path / sampler).mkdir()
+        ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / sampler,
+                           tmp_path / f"ckpt-{sampler}", 7, lambda m, s: None, plugs)
+        out[sampler] = run_in_child("rejection_sampling", ctx, threads=1, ranks=ranks)
+    assert out["vllm"].metrics == out["hf"].metrics and out["hf"].metrics["rows_written"] > 0
+    assert out["vllm"].outputs["dataset"].read_bytes() == out["hf"].outputs["dataset"].read_bytes()
+
