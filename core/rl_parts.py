@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0  # verl: keeps exp() finite
-KL_CLAMP = 10.0  # OpenRLHF clamps every estimator; verl clamps k3 (ALGORITHMS.md 15b)
+KL_CLAMP = 10.0  # OpenRLHF clamps every estimator to +-10; verl clamps only k3 (zero gradient past it)
 
 
 def group_ids(group: Tensor) -> tuple[Tensor, int]:

@@ -23,7 +23,7 @@ class GRPO(PolicyGradient):
 
     Loss: the clipped surrogate plus beta * k3(pi_theta, pi_ref) per token, averaged per response then over
     responses. As in verl/TRL the k3 term is not importance-weighted, so with several PPO epochs it is
-    evaluated on pi_old's samples; its gradient is that of KL(pi_ref || pi_theta) (ALGORITHMS.md 15b).
+    evaluated on pi_old's samples; its gradient is that of KL(pi_ref || pi_theta).
     """
 
     Config: ClassVar[type[GRPOConfig]] = GRPOConfig

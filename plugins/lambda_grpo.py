@@ -29,7 +29,7 @@ class LambdaGRPO(GRPO):
     From the paper (abstract and third-party summaries): standardised length z_i within the group, lift
     h_i = 1 + r z_i, softmax of h_i^λ over the group multiplying the token-level clipped surrogate, λ learned;
     λ = 0 is DAPO's token-level loss, λ < 0 favours short responses (GRPO-like), λ > 0 long ones.
-    Not established (ALGORITHMS.md 2), our reconstruction: population std for z; the factor G so weights
+    Not established by the paper (its exact lambda training is not public); our reconstruction: population std for z; the factor G so weights
     average 1; r = 1/9 fixed; h clamped at 1e-6; λ trained by the same loss with the policy's optimizer.
     """
 
