@@ -11,9 +11,9 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
+from unittest import mock
 
 import torch
 from pydantic import Field
@@ -58,10 +58,8 @@ class VLLMSampler(Sampler):
         self.stop_ids = sorted({tokenizer.eos_token_id})
         self.work = Path(tempfile.mkdtemp(prefix="alignflow-vllm-"))
         self.cuda = torch.cuda.is_available()
-        if isinstance(model, (str, Path)):
-            source, dtype = str(model), self._dtype_of_checkpoint(str(model))
-        else:
-            source, dtype = str(self._write_checkpoint(model)), self._dtype_of(model)
+        dtype = self._dtype(model)
+        source = str(model) if isinstance(model, (str, Path)) else str(self._write_checkpoint(model))
         c = self.config
         memory = ({"gpu_memory_utilization": c.gpu_memory_utilization, "enable_sleep_mode": c.sleep} if self.cuda
                   else {"kv_cache_memory_bytes": int(c.kv_cache_gb * 2**30)})
@@ -73,20 +71,18 @@ class VLLMSampler(Sampler):
         self.transfer = None
         self.asleep = False
 
-    def _dtype_of(self, model) -> str:
+    def _dtype(self, model) -> str:
+        """`auto`: the module's, or the checkpoint's own dtype as transformers reads it (vLLM's own `auto`
+        takes bf16 for an fp32 checkpoint on a CPU, which then samples other tokens than the trainer)."""
         if self.config.dtype != "auto":
             return NAMES[self.config.dtype]
-        return str(next(model.parameters()).dtype).removeprefix("torch.")
+        if isinstance(model, (str, Path)):
+            from transformers import AutoConfig
 
-    def _dtype_of_checkpoint(self, path: str) -> str:
-        """`auto`: the checkpoint's own dtype, as transformers reads it (vLLM's own `auto` takes bf16 for an
-        fp32 checkpoint on a CPU, which then samples other tokens than the trainer's fp32 forward)."""
-        if self.config.dtype != "auto":
-            return NAMES[self.config.dtype]
-        from transformers import AutoConfig
-
-        dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None) or torch.float32
-        return str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+            dtype = getattr(AutoConfig.from_pretrained(str(model)), "dtype", None) or torch.float32
+        else:
+            dtype = next(model.parameters()).dtype
+        return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
     def _write_checkpoint(self, model) -> Path:
         """The module's config and every weight (a tied LM head included) as one safetensors folder."""
@@ -111,23 +107,13 @@ class VLLMSampler(Sampler):
             return self.config.weight_sync
         return "ipc" if self.cuda else "file"
 
-    @contextmanager
     def _engine_env(self):
         """What the engine process must see at start: its KV space, its cores, this rank's GPU."""
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.config.kv_cache_gb))),
                "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind}
         if self.cuda and "LOCAL_RANK" in os.environ and "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = os.environ["LOCAL_RANK"]  # each rank's engine on its own GPU
-        before = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        return mock.patch.dict(os.environ, env)  # put back as it was once the engine has started
 
     def update_weights(self, model) -> None:
         """Push the trainer's weights into the running engine, then drop the KV blocks cached under the old."""
