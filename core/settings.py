@@ -74,6 +74,10 @@ class RLSettings(TrainSettings):
     # sampler's probability and pi_old the trainer's (recomputed), which corrects the rollout/trainer
     # mismatch; None: no correction. The paper (and TRL, verl) use 2.
     tis_cap: float | None = Field(None, gt=0.0)
+    # The trainer's forwards (policy, pi_old, reference) pack each micro-batch's sequences end to end
+    # into as few rows as hold them, instead of padding every row to the longest: same log-probs, less
+    # compute. Models whose attention cannot separate packed sequences fall back to padding.
+    pack_sequences: bool = True
 
 
 class PRMSettings(TrainSettings):

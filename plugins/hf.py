@@ -1,7 +1,13 @@
-"""Sampler on transformers' `generate`: batched, KV-cached, left-padded, sharing the policy's weights."""
+"""Sampler on the policy module itself: a KV-cached decode loop in plain transformers forwards.
+
+One call decodes every row of a request (up to `max_batch_tokens`), rows that stopped leave the
+batch (their KV cache rows are dropped), and each step's log-prob of the sampled token is taken as
+it is drawn, so no `B x T x vocab` stack of logits is ever held.
+"""
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -11,12 +17,15 @@ from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
 from alignflow.core.settings import GenerationSettings
 
+COMPACT_AT = 0.25  # drop stopped rows from the batch once they are this share of it
+
 
 class HFSampler(Sampler):
-    """transformers `generate` sampler (CPU or one GPU); holds the policy module itself, never a copy."""
+    """Decode loop on transformers forwards (CPU or one GPU); holds the policy module itself, never a copy."""
 
     class Config(PluginConfig):
-        batch_size: int = Field(64, ge=1)  # sequences (prompts x n) per generate call
+        batch_size: int | None = Field(None, ge=1)  # rows (prompts x n) per decode loop; None: by max_batch_tokens
+        max_batch_tokens: int = Field(1 << 18, ge=1)  # rows x (longest prompt + max_new_tokens) per loop
         return_logprobs: bool = True
 
     online = True
@@ -31,6 +40,12 @@ class HFSampler(Sampler):
         """On CPU the trainer updates the very module we generate with: nothing to copy."""
         self.model = model
 
+    def rows_per_call(self, rows: list[list[int]], gen: GenerationSettings) -> int:
+        if self.config.batch_size is not None:
+            return self.config.batch_size
+        width = max(map(len, rows)) + gen.max_new_tokens
+        return max(1, self.config.max_batch_tokens // width)
+
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, gen: GenerationSettings, seed: int) -> Generation:
         """`n` completions per prompt; log-probs are of the temperature-scaled distribution."""
@@ -39,41 +54,84 @@ class HFSampler(Sampler):
         index = [i for i in range(len(prompt_ids)) for _ in range(n)]
         was_training = self.model.training
         self.model.eval()
-        generator_state = torch.random.get_rng_state()
-        torch.manual_seed(seed)
+        generator = torch.Generator(self.model.device).manual_seed(seed)
         completions, truncated, logprobs = [], [], []
+        step = self.rows_per_call(rows, gen)
         try:
-            for lo in range(0, len(rows), self.config.batch_size):
-                c, t, lp = self._batch(rows[lo: lo + self.config.batch_size], gen)
+            for lo in range(0, len(rows), step):
+                c, t, lp = self.decode(rows[lo: lo + step], gen, generator)
                 completions += c
                 truncated += t
                 logprobs += lp
         finally:
-            torch.random.set_rng_state(generator_state)
             self.model.train(was_training)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         return Generation(index, completions, texts, truncated,
                           logprobs if self.config.return_logprobs else None,
                           {"generate_s": time.perf_counter() - start})
 
-    def _batch(self, rows: list[list[int]], gen: GenerationSettings):
+    def decode(self, rows: list[list[int]], gen: GenerationSettings, generator: torch.Generator):
+        """Prefill the left-padded prompts, then one forward per new token for the rows still running."""
+        from transformers import DynamicCache
+
+        device = self.model.device
         ids, mask = left_pad(rows, self.pad_id)
-        ids, mask = ids.to(self.model.device), mask.to(self.model.device)
-        sample = gen.temperature > 0
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=gen.max_new_tokens, do_sample=sample,
-            temperature=gen.temperature if sample else None, top_p=gen.top_p if sample else None, top_k=0 if sample else None,
-            pad_token_id=self.pad_id, eos_token_id=sorted(self.stop_ids), use_cache=True,
-            return_dict_in_generate=True, output_logits=self.config.return_logprobs,
-        )
-        new = out.sequences[:, ids.shape[1]:].cpu()
-        completions, truncated = cut_at_stop(new, self.stop_ids)
-        logprobs = [[] for _ in completions]
-        if self.config.return_logprobs and out.logits:
-            logits = torch.stack(out.logits, 1).float().cpu() / (gen.temperature if sample else 1.0)
-            lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-            logprobs = [lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
-        return completions, truncated, logprobs
+        ids, mask = ids.to(device), mask.to(device)
+        B, T = len(rows), gen.max_new_tokens
+        tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
+        chosen_lp = torch.zeros(B, T, dtype=torch.float32, device=device)
+        stops = torch.tensor(sorted(self.stop_ids), device=device)
+        here = torch.arange(B, device=device)  # batch row -> request row
+        running = torch.ones(B, dtype=torch.bool, device=device)  # batch rows that have not stopped
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        kv = {cache_argument(self.model): cache}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1, **kv).logits[:, -1]
+        next_pos = positions[:, -1:] + 1
+        for t in range(T):
+            token, lp = self.pick(logits.float(), gen, generator)
+            tokens[here[running], t] = token[running]
+            chosen_lp[here[running], t] = lp[running]
+            running &= ~torch.isin(token, stops)
+            alive = int(running.sum())
+            if alive == 0 or t == T - 1:
+                break
+            if alive <= len(here) * (1 - COMPACT_AT):
+                keep = running.nonzero().flatten()
+                cache.batch_select_indices(keep)
+                here, running, token, mask, next_pos = here[keep], running[keep], token[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones(len(here), 1)], 1)
+            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
+                                **kv).logits[:, -1]
+            next_pos = next_pos + 1
+        completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
+        chosen_lp = chosen_lp.cpu()
+        return completions, truncated, [chosen_lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+    @staticmethod
+    def pick(logits: torch.Tensor, gen: GenerationSettings, generator: torch.Generator):
+        """Next token per row (greedy, or sampled at `temperature` within `top_p`) and its log-prob under
+        the temperature-scaled distribution (top-p only restricts which tokens can be drawn)."""
+        if gen.temperature == 0:
+            token = logits.argmax(-1)
+            return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits / gen.temperature, -1)
+        probs = logp.exp()
+        if gen.top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)
+            outside = sorted_p.cumsum(-1) - sorted_p >= gen.top_p  # the mass before a token already reaches top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
+        # Inverse-CDF draw: one uniform per row (torch.multinomial draws one exponential per vocabulary entry).
+        cdf = probs.double().cumsum(-1)
+        u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+        token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def cache_argument(model) -> str:
+    """The forward's name for the KV cache: `cache` in newer transformers, `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @hookimpl

@@ -205,7 +205,8 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     temperature = gen.temperature if gen.temperature > 0 else 1.0  # greedy log-probs: the plain softmax
 
     def logprobs(model):
-        return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature)
+        return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature,
+                                                           packed=s.pack_sequences)
 
     fill = {}  # the forward passes this algorithm needs before its advantages, and no other
     p.sampler.release()  # a GPU engine frees its memory while the trainer steps

@@ -89,14 +89,16 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
             step_loss = 0.0
             for rows in mine:
                 metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature,
-                                          tis_cap=s.tis_cap, measure=epoch == 0 and index == 0)
+                                          tis_cap=s.tis_cap, measure=epoch == 0 and index == 0,
+                                          packed=s.pack_sequences)
                 if epoch == 0:
                     entropy += ent
                 step_loss += float(metrics.pop("actor/loss"))
                 for k, v in metrics.items():
                     micro_metrics[k].append(float(v))
             if micro and not mine:
-                micro_step(engine, critic, algo, batch, micro[0], advantages, returns, norm, temperature, weight=0.0)
+                micro_step(engine, critic, algo, batch, micro[0], advantages, returns, norm, temperature, weight=0.0,
+                           packed=s.pack_sequences)
             step_losses.append(step_loss)
             for k, v in engine.step().items():
                 step_metrics[f"actor/{k}"].append(v)
@@ -122,7 +124,7 @@ def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float]):
 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
                norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
-               measure: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+               measure: bool = False, packed: bool = False) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
     token count) of the rows. `tis_cap` weights each token's policy loss by min(pi_old / mu, cap) (mu the
     sampler's probability); `measure` (the first minibatch, before any update) adds the gap between the
@@ -130,7 +132,7 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
     logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
-                                       return_entropy=True)
+                                       return_entropy=True, packed=packed)
     values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
     view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
     per_token, metrics = algo.loss(view)

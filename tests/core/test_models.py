@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from alignflow.core.errors import AlignflowError
 from alignflow.core.models import (
     build_tiny, entropy_from_logits, load_model, load_tokenizer, load_value_model,
-    logprobs_from_logits, position_ids, sequence_scores, token_logprobs, token_values,
+    logprobs_from_logits, pack_rows, packing_works, position_ids, sequence_scores, token_logprobs, token_values,
 )
 
 
@@ -147,3 +147,59 @@ def test_sequence_scores_identical_under_left_and_right_padding(tiny):
 def test_position_ids_skip_left_padding():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     assert position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+def test_pack_rows_first_fit_decreasing():
+    bins = pack_rows([5, 2, 7, 3, 1, 4], width=8)
+    assert sorted(r for b in bins for r in b) == list(range(6))  # every row once
+    assert bins == [[2, 4], [0, 3], [5, 1]]  # 7+1, 5+3, 4+2: three rows of 8 instead of six
+    assert pack_rows([8, 8], width=8) == [[0], [1]]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_packed_logprobs_entropy_and_gradients_equal_padded(tiny, side):
+    """Packing rows end to end (positions restarting per sequence) gives the padded batch's log-probs,
+    entropies and parameter gradients: no token sees another sequence."""
+    model = load_model(tiny)
+    tok = load_tokenizer(tiny)
+    texts = ["905-18=887", "7+8=15", "12*3=36</s>", "1=", "400-399=1", "6*7=42"]
+    ids, attn = _batch(tok, texts, side)
+    labels = torch.zeros_like(ids)
+    labels[:, 2:] = 1
+    assert packing_works(model)
+
+    def run(packed):
+        model.zero_grad()
+        lp, ent = token_logprobs(model, ids, attn, labels, temperature=0.7, return_entropy=True, packed=packed)
+        (lp.sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (lp, ent, grads), (plp, pent, pgrads) = run(False), run(True)
+    torch.testing.assert_close(plp, lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pent, ent, atol=1e-5, rtol=0)
+    assert ((plp != 0) == (lp != 0)).all()
+    for g, pg in zip(grads, pgrads):
+        torch.testing.assert_close(pg, g, atol=1e-4, rtol=1e-4)
+
+
+def test_packing_falls_back_for_attention_that_mixes_sequences(tiny):
+    """A model whose attention ignores restarting position ids would let packed sequences see each other:
+    the probe notices and the padded path is used, with the same values."""
+    model = load_model(tiny)
+
+    class Mixing(torch.nn.Module):  # causal attention over the whole row, whatever the positions
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        @property
+        def device(self):
+            return model.device
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+            return self.inner(input_ids, attention_mask=attention_mask, **kw)
+
+    mixing = Mixing()
+    assert not packing_works(mixing)
+    ids, attn = _batch(load_tokenizer(tiny), ["905-18=887", "7+8=15"], "right")
+    torch.testing.assert_close(token_logprobs(mixing, ids, attn, packed=True), token_logprobs(model, ids, attn))

@@ -1,4 +1,5 @@
-"""The transformers sampler: left padding, stop handling, log-probs, determinism, shared weights."""
+"""The transformers sampler: left padding, stop handling, log-probs, determinism, shared weights, and its
+decode loop against transformers' `generate`."""
 
 import pytest
 import torch
@@ -105,3 +106,80 @@ def test_chunked_generation_concatenates_in_prompt_order(policy):
     assert joined.prompt_index == whole.prompt_index == [0, 0, 1, 1, 2, 2]
     assert joined.completion_ids == whole.completion_ids and joined.texts == whole.texts
     assert [len(lp) for lp in joined.logprobs] == joined.lengths
+
+
+def test_greedy_matches_transformers_generate(policy):
+    """The decode loop's greedy tokens and log-probs are transformers' `generate` ones (left padding included)."""
+    model, tok = policy
+    prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=")]
+    gen = sampler(policy).generate(prompts, 1, GenerationSettings(max_new_tokens=7, temperature=0.0), seed=0)
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         return_dict_in_generate=True, output_logits=True)
+    want, _ = cut_at_stop(out.sequences[:, ids.shape[1]:], {tok.eos_token_id})
+    assert gen.completion_ids == want
+    logp = torch.stack(out.logits, 1).log_softmax(-1)
+    for i, c in enumerate(want):
+        torch.testing.assert_close(torch.tensor(gen.logprobs[i]), logp[i, torch.arange(len(c)), c], atol=1e-5, rtol=0)
+
+
+def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkeypatch):
+    """With many stop tokens rows end at different steps; dropping them from the batch (and their KV rows)
+    keeps every other row's log-probs those of a teacher-forced forward."""
+    import alignflow.plugins.hf as hf
+
+    model, tok = policy
+    s = sampler(policy)
+    s.stop_ids = set(range(0, len(tok), 3))  # a third of the vocabulary stops a row
+    monkeypatch.setattr(hf, "COMPACT_AT", 0.01)  # drop stopped rows at every step
+    prompts = [tok.encode("12+3="), tok.encode("987-654=")]
+    gen = s.generate(prompts, 6, GenerationSettings(max_new_tokens=12, temperature=1.0), seed=5)
+    lengths = gen.lengths
+    assert len(set(lengths)) > 2 and min(lengths) < 12  # rows did stop at different steps
+    for i, ids in enumerate(gen.completion_ids):
+        assert all(t not in s.stop_ids for t in ids[:-1]) and (ids[-1] in s.stop_ids) != gen.truncated[i]
+        prompt = prompts[gen.prompt_index[i]]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(gen.logprobs[i]), expected, atol=1e-4, rtol=0)
+
+
+def test_top_p_keeps_the_nucleus(policy):
+    """top_p small enough leaves only the most likely token: sampling then is greedy decoding."""
+    _, tok = policy
+    prompts = [tok.encode("1+1="), tok.encode("250*3=")]
+    s = sampler(policy)
+    greedy = s.generate(prompts, 1, GenerationSettings(max_new_tokens=6, temperature=0.0), seed=0)
+    nucleus = s.generate(prompts, 3, GenerationSettings(max_new_tokens=6, temperature=1.0, top_p=1e-6), seed=1)
+    assert nucleus.completion_ids == [c for c in greedy.completion_ids for _ in range(3)]
+
+
+def test_sampling_follows_the_distribution():
+    """The inverse-CDF draw picks token k with probability p_k (and never a zero-probability one)."""
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2]]).expand(40_000, 4)
+    token, lp = HFSampler.pick(probs.log(), GenerationSettings(temperature=1.0), torch.Generator().manual_seed(0))
+    freq = torch.bincount(token, minlength=4).float() / len(token)
+    torch.testing.assert_close(freq, probs[0], atol=0.01, rtol=0)
+    torch.testing.assert_close(lp, probs[0, token].log())
+
+
+def test_one_decode_loop_per_token_budget(policy, monkeypatch):
+    """By default all rows go through one decode loop; `max_batch_tokens` splits them when the rows x
+    (prompt + max_new_tokens) budget is smaller, and `batch_size` fixes the rows per loop."""
+    _, tok = policy
+    prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=", "5*5=")]
+    gen = GenerationSettings(max_new_tokens=4, temperature=1.0)
+
+    def loops(**cfg):
+        s = sampler(policy, **cfg)
+        calls = []
+        real = s.decode
+        monkeypatch.setattr(s, "decode", lambda rows, *a: calls.append(len(rows)) or real(rows, *a))
+        s.generate(prompts, 4, gen, seed=0)
+        return calls
+
+    assert loops() == [16]
+    assert loops(max_batch_tokens=10 * 8) == [8, 8]  # width 6 + 4 = 10 tokens a row
+    assert loops(batch_size=5) == [5, 5, 5, 1]

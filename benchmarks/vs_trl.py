@@ -1,0 +1,249 @@
+"""The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS.
+
+    python benchmarks/vs_trl.py --trl-python ../venv-trl/bin/python [--size tiny|8m] [--model PATH]
+        [--sft-steps 300] [--pairs 5] [--steps 2] [--threads 1] [--out vs_trl.json]
+
+TRL lives in an environment of its own, next to alignflow (its trainer needs `accelerate` and `datasets`):
+
+    python -m venv ../venv-trl && ../venv-trl/bin/pip install torch==2.13.0
+    ../venv-trl/bin/pip install -e . trl
+
+The work, on both sides: GRPO without a KL term (TRL: `beta=0`, `loss_type="grpo"`, the same per-response
+then per-batch mean as the `grpo` algorithm), 16 prompts x 8 completions per step, at most 48 new tokens
+at temperature 1, one optimizer step per rollout of 4 accumulated micro-batches of 32, lr 1e-4 constant,
+the `math_accuracy` reward, the same checkpoint and the same prompts in the same order (TRL's dataset is
+the rows the `rl` stage draws, unshuffled), `--threads` torch threads per process.
+
+The model: `--model PATH`, or a `--size` built here from seed 0 and given `--sft-steps` of the `sft` stage
+on data/sft_noisy.jsonl (the cold start of r1-tiny, shortened), so completions end as a trained model's do.
+Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process one warm-up step
+(excluded) and then `--steps` measured steps. Ratios are alignflow / TRL, per pair, then the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {"tiny": {}, "8m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                                num_key_value_heads=4, max_position_embeddings=256)}
+SHAPE = dict(prompts=16, group_size=8, micro_batch=32, accumulation=4, max_new_tokens=48, lr=1e-4)
+PARTS = ("generate", "score", "train", "step")
+
+
+def alignflow_side(args) -> list[dict]:
+    """Steps of the `rl` stage itself (build, then `rl_step`), as a pipeline runs them."""
+    from alignflow.core.plugins import get_plugins
+    from alignflow.core.settings import RLSettings
+    from alignflow.core.spec import StageSpec
+    from alignflow.flows.stages import StageContext, rl
+
+    work = Path(args.work)
+    s = RLSettings(prompts_per_step=SHAPE["prompts"], group_size=SHAPE["group_size"],
+                   micro_batch_size=SHAPE["micro_batch"], lr=SHAPE["lr"], lr_scheduler="constant",
+                   max_steps=args.steps + 1, save_every=10**6, log_every=10**6,
+                   generation={"max_new_tokens": SHAPE["max_new_tokens"], "temperature": 1.0})
+    spec = StageSpec(kind="rl", inputs={"model": args.model, "dataset": args.dataset}, rewards=["math_accuracy"],
+                     algorithm={"name": "grpo", "config": {"kl_loss_coef": 0.0}}, sampler=args.sampler)
+    ctx = StageContext("bench", spec, s, {"model": Path(args.model), "dataset": Path(args.dataset)},
+                       work / "work", work / "checkpoints", 0, lambda m, step: None, get_plugins())
+    ctx.work_dir.mkdir(parents=True)
+    parts, _ = rl.build(ctx)
+    steps = []
+    for step in range(args.steps + 1):
+        m = rl.rl_step(ctx, parts, step)
+        steps.append({"completions": SHAPE["prompts"] * SHAPE["group_size"], "tokens": m["perf/tokens"],
+                      "accuracy": m["accuracy"], "generate": m["time/generate"], "score": m["time/score"],
+                      "train": m["time/prepare"] + m["time/train"], "step": m["time/step"]})
+    return steps
+
+
+def trl_side(args) -> list[dict]:
+    """Steps of TRL's GRPOTrainer on the same checkpoint, prompts (in order) and reward."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from alignflow.core.models import load_tokenizer
+    from alignflow.plugins.math_accuracy import math_accuracy
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
+    steps: list[dict] = [dict.fromkeys(("tokens", "accuracy", "generate", "score"), 0.0)]
+    marks: list[float] = []
+
+    def reward(prompts, completions, answer, completion_ids=None, **_):
+        scores = [float(v or 0.0) for v in math_accuracy(prompts, completions, answer)]
+        steps[-1].update(tokens=float(sum(map(len, completion_ids))), accuracy=sum(s >= 1 for s in scores) / len(scores))
+        return scores
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+            steps[-1]["step"] = marks[-1] - marks[-2]
+            steps.append(dict.fromkeys(("tokens", "accuracy", "generate", "score"), 0.0))
+
+    config = GRPOConfig(
+        output_dir=str(Path(args.work) / "trl"), per_device_train_batch_size=SHAPE["micro_batch"],
+        gradient_accumulation_steps=SHAPE["accumulation"], num_generations=SHAPE["group_size"],
+        max_completion_length=SHAPE["max_new_tokens"], temperature=1.0, top_p=1.0, beta=0.0, loss_type="grpo",
+        learning_rate=SHAPE["lr"], lr_scheduler_type="constant", max_steps=args.steps + 1, num_iterations=1,
+        shuffle_dataset=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
+        disable_dropout=True, dataloader_num_workers=0,
+        bf16=False, gradient_checkpointing=False,  # TRL's GPU defaults; the `rl` stage trains in fp32 without either
+    )
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(args.model),
+                          callbacks=[Clock()])
+    for name, part in (("_generate_single_turn", "generate"), ("_calculate_rewards", "score")):
+        trainer.__dict__[name] = timed(getattr(trainer, name), steps, part)
+    trainer.train()
+    steps = steps[: args.steps + 1]
+    for s in steps:
+        s["completions"] = SHAPE["prompts"] * SHAPE["group_size"]
+        s["train"] = s["step"] - s["generate"] - s["score"]
+    return steps
+
+
+def timed(fn, steps: list[dict], part: str):
+    def wrapper(*a, **k):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            steps[-1][part] += time.perf_counter() - start
+    return wrapper
+
+
+def child(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    steps = alignflow_side(args) if args.child == "alignflow" else trl_side(args)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(args.result).write_text(json.dumps({"steps": steps, "peak_rss_mb": peak_mb}))
+
+
+def prepare_model(args, tmp: Path) -> Path:
+    """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage."""
+    if args.model:
+        return Path(args.model)
+    from alignflow.core.models import build_tiny
+
+    base = build_tiny(tmp / "base", seed=0, **SIZES[args.size])
+    if not args.sft_steps:
+        return base
+    from alignflow.core.plugins import get_plugins
+    from alignflow.core.settings import TrainSettings
+    from alignflow.core.spec import StageSpec
+    from alignflow.flows.stages import StageContext
+    from alignflow.flows.stages.sft import run_sft
+
+    s = TrainSettings(lr=2e-3, max_steps=args.sft_steps, batch_size=32, micro_batch_size=32, max_length=96,
+                    warmup_ratio=0.05, save_every=10**6, log_every=10**6)
+    spec = StageSpec(kind="sft", inputs={"model": str(base), "dataset": "data/sft_noisy.jsonl"}, algorithm="sft")
+    ctx = StageContext("cold_start", spec, s, {"model": base, "dataset": Path("data/sft_noisy.jsonl")},
+                       tmp / "sft" / "work", tmp / "sft" / "checkpoints", 0, lambda m, step: None, get_plugins())
+    ctx.work_dir.mkdir(parents=True)
+    return run_sft(ctx).outputs["model"]
+
+
+def stage_prompts(args, path: Path) -> None:
+    """The rows the `rl` stage draws at steps 0..steps, in order: TRL's unshuffled dataset."""
+    from alignflow.core.data import load_rows
+    from alignflow.flows.stages.rl_rollout import round_prompts
+
+    rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
+    drawn = [rows[i] for step in range(args.steps + 1)
+             for i in round_prompts(step, 0, len(rows), SHAPE["prompts"], 0)]
+    path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in drawn))
+
+
+def side_summary(runs: list[dict]) -> dict:
+    steps = [s for r in runs for s in r["steps"][1:]]  # each process's warm-up step excluded
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    time_s = {k: med(k) for k in PARTS}
+    return {"completions_per_s": statistics.median(s["completions"] / s["step"] for s in steps),
+            "tokens_per_s": statistics.median(s["tokens"] / s["step"] for s in steps),
+            "tokens_per_completion": statistics.mean(s["tokens"] / s["completions"] for s in steps),
+            "accuracy": [round(s["accuracy"], 4) for s in steps],
+            "time_s": time_s, "time_share": {k: time_s[k] / time_s["step"] for k in PARTS[:-1]},
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+
+
+def pair_ratio(a: dict, b: dict) -> float:
+    rate = lambda r: statistics.median(s["completions"] / s["step"] for s in r["steps"][1:])  # noqa: E731
+    return rate(a) / rate(b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-python", default=sys.executable, help="python of the environment with TRL")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--model", help="a checkpoint to use instead of building one")
+    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--dataset", default="data/rl.jsonl")
+    parser.add_argument("--sampler", default="hf")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = measure(args, Path(tmp))
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def measure(args, tmp: Path) -> dict:
+    # Taken before the SFT stage's process group sets MASTER_PORT, which the children must not inherit.
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    model = prepare_model(args, tmp)
+    prompts = tmp / "prompts.jsonl"
+    stage_prompts(args, prompts)
+    runs: dict[str, list[dict]] = {"alignflow": [], "trl": []}
+    for pair in range(args.pairs):
+        for side, python in (("alignflow", sys.executable), ("trl", args.trl_python)):
+            work = tmp / f"{side}{pair}"
+            result = tmp / f"{side}{pair}.json"
+            cmd = [python, __file__, "--child", side, "--model", str(model), "--dataset", args.dataset,
+                   "--sampler", args.sampler, "--steps", str(args.steps), "--threads", str(args.threads),
+                   "--work", str(work), "--prompts", str(prompts), "--result", str(result)]
+            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if done.returncode:
+                sys.exit(f"{side} run {pair} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+            runs[side].append(json.loads(result.read_text()))
+            print(f"pair {pair} {side}: {[round(s['step'], 2) for s in runs[side][-1]['steps']]} s/step",
+                  file=sys.stderr)
+    from alignflow.core.models import load_model
+
+    ratios = [pair_ratio(a, b) for a, b in zip(runs["alignflow"], runs["trl"])]
+    return {"config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
+                       "parameters": sum(p.numel() for p in load_model(model).parameters()),
+                       "sampler": args.sampler, "threads": args.threads, "pairs": args.pairs,
+                       "steps_per_process": args.steps, **SHAPE},
+            "alignflow": side_summary(runs["alignflow"]), "trl": side_summary(runs["trl"]),
+            "completions_per_s_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                                        "pairs": [round(r, 3) for r in ratios]}}
+
+
+if __name__ == "__main__":
+    main()
