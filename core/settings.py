@@ -78,6 +78,10 @@ class RLSettings(TrainSettings):
     # into as few rows as hold them, instead of padding every row to the longest: same log-probs, less
     # compute. Models whose attention cannot separate packed sequences fall back to padding.
     pack_sequences: bool = True
+    # Generate the next step's first round in a worker process (with `overlap_threads` torch threads)
+    # while this step scores and trains: one-step off-policy, pi_old is the generating weights' log-probs.
+    overlap_rollouts: bool = False
+    overlap_threads: int = Field(1, ge=1)
 
 
 class PRMSettings(TrainSettings):

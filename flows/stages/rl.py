@@ -25,9 +25,10 @@ from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
-from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, to_batch
+from alignflow.flows.stages.rl_overlap import Overlapped
+from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, round_share, to_batch
 from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
-from alignflow.flows.stages.scoring import reward_set
+from alignflow.flows.stages.scoring import CHUNK, prompt_ids, reward_set
 from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
                                              save_pretrained)
 
@@ -121,6 +122,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(engine.module, tokenizer)
+    if s.overlap_rollouts:
+        sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
@@ -160,8 +163,15 @@ def process_reward(ctx: StageContext, rewards: RewardSet):
 
 def run_rl(ctx: StageContext) -> StageResult:
     """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
-    s = ctx.settings
     p, total = build(ctx)
+    try:
+        return train_and_evaluate(ctx, p, total)
+    finally:  # engines and rollout workers stop whether the stage ends or fails
+        p.sampler.close()
+
+
+def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
+    s = ctx.settings
     engine, critic, updates = p.engine, p.critic, s.ppo_epochs * p.n_minibatches
     metrics: dict[str, float] = {}
     with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
@@ -180,13 +190,18 @@ def run_rl(ctx: StageContext) -> StageResult:
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
-    try:
-        final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
-    finally:
-        p.sampler.close()
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
     headline = "eval/accuracy" if "eval/accuracy" in final else None
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+
+
+def prefetch(ctx: StageContext, p: Parts, step: int) -> None:
+    """Start `step`'s first generation round in the overlapped sampler: the same calls `collect` makes."""
+    rows, mine, seed = round_share(ctx, step, 0, p.dataset)
+    ids = prompt_ids(p.tokenizer, [rows[i] for i in mine])
+    for lo in range(0, len(ids), CHUNK):
+        p.sampler.prefetch(ids[lo: lo + CHUNK], ctx.settings.group_size, ctx.settings.generation, seed + lo)
 
 
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
@@ -196,6 +211,8 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
                                    p.tokenizer.pad_token_id, p.process_reward)
     metrics.update(rollout_metrics(kept, drawn))
+    if isinstance(p.sampler, Overlapped) and step + 1 < rl_steps(len(p.dataset), s):
+        prefetch(ctx, p, step + 1)  # generates on these weights while this step trains
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
         for _ in range(p.n_minibatches * s.ppo_epochs):

@@ -89,6 +89,14 @@ def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> lis
     return step_rows(step, n_rows, k, seed if round_ == 0 else seed + ROUND_SEED * round_)
 
 
+def round_share(ctx, step: int, round_: int, dataset: list[dict]) -> tuple[list[dict], list[int], int]:
+    """A round's rows, the indices of this rank's share of them, and its sampling seed (a function of
+    step, round and rank)."""
+    rank, world = rank_and_world()
+    rows = [dataset[i] for i in round_prompts(step, round_, len(dataset), ctx.settings.prompts_per_step, ctx.seed)]
+    return rows, list(range(rank, len(rows), world)), ctx.seed * 1_000_003 + step * 101 + round_ + rank * RANK_SEED
+
+
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
                    groups: list[int], process_reward=None) -> tuple[Samples, dict[str, float]]:
     """G completions for each of `rows` (group `groups[i]` for row i), scored (and their steps, given a
@@ -109,7 +117,8 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
         logprobs=g.logprobs, group=[groups[i] for i in g.prompt_index], reward=scored.rewards.total,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
     )
-    return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
+    return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s,
+                     "staleness": g.timings.get("staleness", 0.0)}
 
 
 def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
@@ -141,16 +150,15 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     """
     s = ctx.settings
     G, want = s.group_size, s.prompts_per_step
-    rank, world = rank_and_world()
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
     times = {"generate": 0.0, "score": 0.0}
+    staleness = 0.0
     while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
-        rows = [dataset[i] for i in round_prompts(step, rounds, len(dataset), want, ctx.seed)]
-        mine = list(range(rank, len(rows), world))
-        seed = ctx.seed * 1_000_003 + step * 101 + rounds + rank * RANK_SEED  # a function of (step, round, rank)
+        rows, mine, seed = round_share(ctx, step, rounds, dataset)
         samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
                                     [rounds * want + i for i in mine], process_reward)
         samples = whole_round(samples)
+        staleness = max(staleness, t.pop("staleness"))
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -165,6 +173,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         "sampling/rounds": float(rounds),
         "sampling/groups_filtered": float(filtered),
         "sampling/groups_kept": float(n_kept),
+        "rollout/staleness": staleness,  # optimizer updates between the weights that generated and these
         **{f"time/{k}": v for k, v in times.items()},
     }
     return Samples.join(kept), Samples.join(drawn), metrics
