@@ -1,7 +1,7 @@
 """The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS.
 
     python benchmarks/vs_trl.py --trl-python ../venv-trl/bin/python [--size tiny|8m] [--model PATH]
-        [--sft-steps 300] [--pairs 5] [--steps 2] [--threads 1] [--out vs_trl.json]
+        [--sft-steps 1000] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N] [--overlap] [--out F.json]
 
 TRL lives in an environment of its own, next to alignflow (its trainer needs `accelerate` and `datasets`):
 
@@ -15,8 +15,10 @@ the `math_accuracy` reward, the same checkpoint and the same prompts in the same
 the rows the `rl` stage draws, unshuffled), `--threads` torch threads per process.
 
 The model: `--model PATH`, or a `--size` built here from seed 0 and given `--sft-steps` of the `sft` stage
-on data/sft_noisy.jsonl (the cold start of r1-tiny, shortened), so completions end as a trained model's do.
-Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process one warm-up step
+on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end as a trained model's do.
+`--overlap` runs the stage with `overlap_rollouts` (its rollout worker takes `--threads` more threads:
+compare against `--trl-threads` of the two together for the same cores).
+Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process `--warmup` steps
 (excluded) and then `--steps` measured steps. Ratios are alignflow / TRL, per pair, then the median.
 """
 
@@ -49,8 +51,9 @@ def alignflow_side(args) -> list[dict]:
     work = Path(args.work)
     s = RLSettings(prompts_per_step=SHAPE["prompts"], group_size=SHAPE["group_size"],
                    micro_batch_size=SHAPE["micro_batch"], lr=SHAPE["lr"], lr_scheduler="constant",
-                   max_steps=args.steps + 1, save_every=10**6, log_every=10**6,
-                   generation={"max_new_tokens": SHAPE["max_new_tokens"], "temperature": 1.0})
+                   max_steps=args.warmup + args.steps, save_every=10**6, log_every=10**6,
+                   generation={"max_new_tokens": SHAPE["max_new_tokens"], "temperature": 1.0},
+                   overlap_rollouts=args.overlap, overlap_threads=args.threads)
     spec = StageSpec(kind="rl", inputs={"model": args.model, "dataset": args.dataset}, rewards=["math_accuracy"],
                      algorithm={"name": "grpo", "config": {"kl_loss_coef": 0.0}}, sampler=args.sampler)
     ctx = StageContext("bench", spec, s, {"model": Path(args.model), "dataset": Path(args.dataset)},
@@ -58,7 +61,7 @@ def alignflow_side(args) -> list[dict]:
     ctx.work_dir.mkdir(parents=True)
     parts, _ = rl.build(ctx)
     steps = []
-    for step in range(args.steps + 1):
+    for step in range(args.warmup + args.steps):
         m = rl.rl_step(ctx, parts, step)
         steps.append({"completions": SHAPE["prompts"] * SHAPE["group_size"], "tokens": m["perf/tokens"],
                       "accuracy": m["accuracy"], "generate": m["time/generate"], "score": m["time/score"],
@@ -97,7 +100,7 @@ def trl_side(args) -> list[dict]:
         output_dir=str(Path(args.work) / "trl"), per_device_train_batch_size=SHAPE["micro_batch"],
         gradient_accumulation_steps=SHAPE["accumulation"], num_generations=SHAPE["group_size"],
         max_completion_length=SHAPE["max_new_tokens"], temperature=1.0, top_p=1.0, beta=0.0, loss_type="grpo",
-        learning_rate=SHAPE["lr"], lr_scheduler_type="constant", max_steps=args.steps + 1, num_iterations=1,
+        learning_rate=SHAPE["lr"], lr_scheduler_type="constant", max_steps=args.warmup + args.steps, num_iterations=1,
         shuffle_dataset=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
         disable_dropout=True, dataloader_num_workers=0,
         bf16=False, gradient_checkpointing=False,  # TRL's GPU defaults; the `rl` stage trains in fp32 without either
@@ -108,7 +111,7 @@ def trl_side(args) -> list[dict]:
     for name, part in (("_generate_single_turn", "generate"), ("_calculate_rewards", "score")):
         trainer.__dict__[name] = timed(getattr(trainer, name), steps, part)
     trainer.train()
-    steps = steps[: args.steps + 1]
+    steps = steps[: args.warmup + args.steps]
     for s in steps:
         s["completions"] = SHAPE["prompts"] * SHAPE["group_size"]
         s["train"] = s["step"] - s["generate"] - s["score"]
@@ -164,13 +167,13 @@ def stage_prompts(args, path: Path) -> None:
     from alignflow.flows.stages.rl_rollout import round_prompts
 
     rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
-    drawn = [rows[i] for step in range(args.steps + 1)
+    drawn = [rows[i] for step in range(args.warmup + args.steps)
              for i in round_prompts(step, 0, len(rows), SHAPE["prompts"], 0)]
     path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in drawn))
 
 
-def side_summary(runs: list[dict]) -> dict:
-    steps = [s for r in runs for s in r["steps"][1:]]  # each process's warm-up step excluded
+def side_summary(runs: list[dict], warmup: int) -> dict:
+    steps = [s for r in runs for s in r["steps"][warmup:]]  # each process's warm-up steps excluded
     med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     time_s = {k: med(k) for k in PARTS}
     return {"completions_per_s": statistics.median(s["completions"] / s["step"] for s in steps),
@@ -181,8 +184,8 @@ def side_summary(runs: list[dict]) -> dict:
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
 
 
-def pair_ratio(a: dict, b: dict) -> float:
-    rate = lambda r: statistics.median(s["completions"] / s["step"] for s in r["steps"][1:])  # noqa: E731
+def pair_ratio(a: dict, b: dict, warmup: int) -> float:
+    rate = lambda r: statistics.median(s["completions"] / s["step"] for s in r["steps"][warmup:])  # noqa: E731
     return rate(a) / rate(b)
 
 
@@ -191,18 +194,25 @@ def main() -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="python of the environment with TRL")
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--model", help="a checkpoint to use instead of building one")
-    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-steps", type=int, default=1000)
     parser.add_argument("--dataset", default="data/rl.jsonl")
     parser.add_argument("--sampler", default="hf")
     parser.add_argument("--pairs", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per process")
+    parser.add_argument("--warmup", type=int, help="steps before them, excluded (default 1; 2 with --overlap, "
+                                                   "whose first overlapped step waits for the worker to start)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--trl-threads", type=int, help="TRL's threads (default: --threads)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the rl stage with overlap_rollouts: a rollout worker of --threads threads besides")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.warmup is None:
+        args.warmup = 2 if args.overlap else 1
     if args.child:
         return child(args)
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,19 +225,23 @@ def main() -> None:
 
 def measure(args, tmp: Path) -> dict:
     # Taken before the SFT stage's process group sets MASTER_PORT, which the children must not inherit.
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     model = prepare_model(args, tmp)
     prompts = tmp / "prompts.jsonl"
     stage_prompts(args, prompts)
     runs: dict[str, list[dict]] = {"alignflow": [], "trl": []}
     for pair in range(args.pairs):
-        for side, python in (("alignflow", sys.executable), ("trl", args.trl_python)):
+        for side, python, threads in (("alignflow", sys.executable, args.threads),
+                                      ("trl", args.trl_python, args.trl_threads or args.threads)):
             work = tmp / f"{side}{pair}"
             result = tmp / f"{side}{pair}.json"
             cmd = [python, __file__, "--child", side, "--model", str(model), "--dataset", args.dataset,
-                   "--sampler", args.sampler, "--steps", str(args.steps), "--threads", str(args.threads),
+                   "--sampler", args.sampler, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--threads", str(threads),
                    "--work", str(work), "--prompts", str(prompts), "--result", str(result)]
-            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            cmd += ["--overlap"] if args.overlap else []
+            done = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": str(threads)}, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
             if done.returncode:
                 sys.exit(f"{side} run {pair} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
             runs[side].append(json.loads(result.read_text()))
@@ -235,12 +249,13 @@ def measure(args, tmp: Path) -> dict:
                   file=sys.stderr)
     from alignflow.core.models import load_model
 
-    ratios = [pair_ratio(a, b) for a, b in zip(runs["alignflow"], runs["trl"])]
+    ratios = [pair_ratio(a, b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
     return {"config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
                        "parameters": sum(p.numel() for p in load_model(model).parameters()),
-                       "sampler": args.sampler, "threads": args.threads, "pairs": args.pairs,
-                       "steps_per_process": args.steps, **SHAPE},
-            "alignflow": side_summary(runs["alignflow"]), "trl": side_summary(runs["trl"]),
+                       "sampler": args.sampler, "threads": args.threads, "overlap_rollouts": args.overlap,
+                       "trl_threads": args.trl_threads or args.threads, "pairs": args.pairs,
+                       "steps_per_process": args.steps, "warmup_steps": args.warmup, **SHAPE},
+            "alignflow": side_summary(runs["alignflow"], args.warmup), "trl": side_summary(runs["trl"], args.warmup),
             "completions_per_s_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                         "pairs": [round(r, 3) for r in ratios]}}
 

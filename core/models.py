@@ -240,6 +240,9 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     return out, ent.masked_fill(~mask, 0.0)
 
 
+PACK_WIDTH = 256  # tokens per packed row at least: attention over it costs little beside the matmuls
+
+
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
     """Rows into bins of `width` tokens, first fit in decreasing length: each bin's rows, in order."""
     bins: list[list[int]] = []
@@ -266,25 +269,26 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
     lengths = attention_mask.sum(-1).tolist()
     starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
     src, dst, pos = [], [], []  # flat [B*T] source index, flat [P*T] packed index, position
-    bins = pack_rows(lengths, T)
+    W = max(T, PACK_WIDTH)  # packed row width: several short rows per packed row
+    bins = pack_rows(lengths, W)
     for p, rows in enumerate(bins):
         offset = 0
         for row in rows:
             n = lengths[row]
             src.append(torch.arange(n) + row * T + starts[row])
-            dst.append(torch.arange(n) + p * T + offset)
+            dst.append(torch.arange(n) + p * W + offset)
             pos.append(torch.arange(n))
             offset += n
     src_i, dst_i = torch.cat(src).to(device), torch.cat(dst).to(device)
-    packed = torch.zeros(len(bins) * T, dtype=input_ids.dtype, device=device)
+    packed = torch.zeros(len(bins) * W, dtype=input_ids.dtype, device=device)
     packed[dst_i] = input_ids.reshape(-1)[src_i]
     # Positions restart at 0 after each sequence; the free tail of a bin counts 0, 1, ... as one more sequence.
-    positions = torch.arange(len(bins) * T, device=device) % T
+    positions = torch.arange(len(bins) * W, device=device) % W
     positions[dst_i] = torch.cat(pos).to(device)
     for p, rows in enumerate(bins):
         used = sum(lengths[r] for r in rows)
-        positions[p * T + used: (p + 1) * T] = torch.arange(T - used, device=device)
-    logits = model(packed.view(len(bins), T), position_ids=positions.view(len(bins), T), use_cache=False).logits
+        positions[p * W + used: (p + 1) * W] = torch.arange(W - used, device=device)
+    logits = model(packed.view(len(bins), W), position_ids=positions.view(len(bins), W), use_cache=False).logits
     # Token at flat source index src+1 is predicted by the logits at the packed position of src.
     flat_mask = mask.reshape(-1)
     keep = torch.zeros_like(src_i, dtype=torch.bool)
