@@ -66,6 +66,7 @@ def alignflow_side(args) -> list[dict]:
         steps.append({"completions": SHAPE["prompts"] * SHAPE["group_size"], "tokens": m["perf/tokens"],
                       "accuracy": m["accuracy"], "generate": m["time/generate"], "score": m["time/score"],
                       "train": m["time/prepare"] + m["time/train"], "step": m["time/step"]})
+    parts.sampler.close()  # a rollout worker ends here, so its peak memory is counted below
     return steps
 
 
@@ -133,8 +134,10 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     steps = alignflow_side(args) if args.child == "alignflow" else trl_side(args)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(args.result).write_text(json.dumps({"steps": steps, "peak_rss_mb": peak_mb}))
+    peak = {who: resource.getrusage(getattr(resource, f"RUSAGE_{who.upper()}")).ru_maxrss / 1024
+            for who in ("self", "children")}  # children: the largest of them (the rollout worker)
+    Path(args.result).write_text(json.dumps({"steps": steps, "peak_rss_mb": peak["self"],
+                                             "worker_peak_rss_mb": peak["children"]}))
 
 
 def prepare_model(args, tmp: Path) -> Path:
@@ -181,7 +184,8 @@ def side_summary(runs: list[dict], warmup: int) -> dict:
             "tokens_per_completion": statistics.mean(s["tokens"] / s["completions"] for s in steps),
             "accuracy": [round(s["accuracy"], 4) for s in steps],
             "time_s": time_s, "time_share": {k: time_s[k] / time_s["step"] for k in PARTS[:-1]},
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+            "worker_peak_rss_mb": max(r.get("worker_peak_rss_mb", 0.0) for r in runs)}
 
 
 def pair_ratio(a: dict, b: dict, warmup: int) -> float:

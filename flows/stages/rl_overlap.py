@@ -107,7 +107,8 @@ class Overlapped(Sampler):
             return g
         start = time.perf_counter()
         request, version, g, error = self._get(self.results)
-        assert request == self.pending.pop(0)
+        if request != self.pending.pop(0):
+            raise AlignflowError("overlapped rollouts: the worker answered another request than the one asked for")
         if error is not None:
             raise AlignflowError(f"overlapped rollouts: the worker failed:\n{error}")
         g.timings["generate_s"] = time.perf_counter() - start

@@ -73,3 +73,16 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tiny):
             sampler.generate([tok.encode("1+1=")], 2, gen, 0)
     finally:
         sampler.close()
+
+
+@pytest.mark.parametrize("settings, sampler, message", [
+    ({"zero_stage": 3}, "hf", "ZeRO-3 shards"),
+    ({}, "vllm", "engine of its own"),
+])
+def test_overlap_refuses_what_it_cannot_copy(tmp_path, plugins, tiny, settings, sampler, message):
+    from alignflow.core import SpecError
+
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, overlap_rollouts=True, **settings)
+    with pytest.raises(SpecError, match=message):
+        run_rl(ctx)
