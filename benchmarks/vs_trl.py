@@ -135,9 +135,9 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     steps = alignflow_side(args) if args.child == "alignflow" else trl_side(args)
     peak = {who: resource.getrusage(getattr(resource, f"RUSAGE_{who.upper()}")).ru_maxrss / 1024
-            for who in ("self", "children")}  # children: the largest of them (the rollout worker)
+            for who in ("self", "children")}  # children: the largest child process (the rollout worker among them)
     Path(args.result).write_text(json.dumps({"steps": steps, "peak_rss_mb": peak["self"],
-                                             "worker_peak_rss_mb": peak["children"]}))
+                                             "children_peak_rss_mb": peak["children"]}))
 
 
 def prepare_model(args, tmp: Path) -> Path:
@@ -185,7 +185,7 @@ def side_summary(runs: list[dict], warmup: int) -> dict:
             "accuracy": [round(s["accuracy"], 4) for s in steps],
             "time_s": time_s, "time_share": {k: time_s[k] / time_s["step"] for k in PARTS[:-1]},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-            "worker_peak_rss_mb": max(r.get("worker_peak_rss_mb", 0.0) for r in runs)}
+            "children_peak_rss_mb": max(r["children_peak_rss_mb"] for r in runs)}
 
 
 def pair_ratio(a: dict, b: dict, warmup: int) -> float:

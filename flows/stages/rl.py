@@ -107,6 +107,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     check_ranks(ctx)
+    if s.overlap_rollouts:
+        check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
     dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
@@ -121,8 +123,6 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
-    if s.overlap_rollouts:
-        check_overlap(ctx, sampler)
     sampler.load(engine.module, tokenizer)
     if s.overlap_rollouts:
         sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
@@ -153,13 +153,13 @@ def check_ranks(ctx: StageContext) -> None:
                         f"{s.micro_batch_size} x {world}")
 
 
-def check_overlap(ctx: StageContext, sampler) -> None:
+def check_overlap(ctx: StageContext, sampler_cls) -> None:
     """Overlapped rollouts copy the policy module into a worker: whole weights, and a sampler that
     generates on a module (a sampler with an engine of its own, as `vllm`, already runs apart)."""
     where = f"stage {ctx.name!r}, settings.overlap_rollouts"
     if ctx.settings.zero_stage == 3:
         raise SpecError(f"{where}: the rollout worker needs whole weights, which ZeRO-3 shards: use zero_stage 0-2")
-    if type(sampler).loads_checkpoint:
+    if sampler_cls.loads_checkpoint:
         raise SpecError(f"{where}: sampler {ctx.spec.sampler.name!r} runs an engine of its own; overlapped "
                         "rollouts are for samplers that generate on the policy module (`hf`)")
 
