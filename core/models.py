@@ -6,6 +6,7 @@ with `num_labels=1`: the standard reward-model checkpoint format, built from any
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from alignflow.core.errors import AlignflowError
 
+log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # ~1.0M parameters: learns the bundled task in minutes on a laptop CPU.
@@ -64,8 +66,7 @@ def _from_pretrained(auto_cls, name_or_path, dtype: str, **kwargs: Any):
     if dtype not in DTYPES:
         raise AlignflowError(f"dtype {dtype!r} is not supported: expected one of {sorted(DTYPES)}")
     if dtype == "bf16" and not torch.cuda.is_available() and not cpu_has_bf16():
-        import logging
-        logging.getLogger(__name__).warning(
+        log.warning(
             "dtype bf16 on a CPU without AVX-512 BF16 or AMX (%s): its matmuls run emulated, several times "
             "slower than fp32 (6x for the tiny model)", torch.backends.cpu.get_cpu_capability())
     return auto_cls.from_pretrained(str(name_or_path), dtype=DTYPES[dtype], **kwargs)
@@ -213,8 +214,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     Logits are computed only from the first labelled column on (`logits_to_keep`), so a long
     prompt costs no vocabulary-sized memory. With `return_entropy`, also the policy's entropy at
     each position (same alignment), from the same forward pass. With `packed`, the rows' real tokens
-    are packed end to end into as few rows of width T as hold them (see `packed_token_logprobs`):
-    the same values, without the compute of padding.
+    are packed end to end into as few rows of max(T, PACK_WIDTH) tokens as hold them (see
+    `packed_token_logprobs`): the same values, without the compute of padding.
     """
     B, T = input_ids.shape
     mask = attention_mask.bool().clone()
@@ -269,9 +270,9 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
     device = input_ids.device
     lengths = attention_mask.sum(-1).tolist()
     starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
-    src, dst, pos = [], [], []  # flat [B*T] source index, flat [P*T] packed index, position
     W = max(T, PACK_WIDTH)  # packed row width: several short rows per packed row
     bins = pack_rows(lengths, W)
+    src, dst, pos = [], [], []  # flat [B*T] source index, flat [P*W] packed index; positions of all P*W
     for p, rows in enumerate(bins):
         offset = 0
         for row in rows:
@@ -280,15 +281,11 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
             dst.append(torch.arange(n) + p * W + offset)
             pos.append(torch.arange(n))
             offset += n
+        pos.append(torch.arange(W - offset))  # the free tail counts 0, 1, ... as one more sequence
     src_i, dst_i = torch.cat(src).to(device), torch.cat(dst).to(device)
     packed = torch.zeros(len(bins) * W, dtype=input_ids.dtype, device=device)
     packed[dst_i] = input_ids.reshape(-1)[src_i]
-    # Positions restart at 0 after each sequence; the free tail of a bin counts 0, 1, ... as one more sequence.
-    positions = torch.arange(len(bins) * W, device=device) % W
-    positions[dst_i] = torch.cat(pos).to(device)
-    for p, rows in enumerate(bins):
-        used = sum(lengths[r] for r in rows)
-        positions[p * W + used: (p + 1) * W] = torch.arange(W - used, device=device)
+    positions = torch.cat(pos).to(device)  # restarting at 0 with each sequence
     logits = model(packed.view(len(bins), W), position_ids=positions.view(len(bins), W), use_cache=False).logits
     # Token at flat source index src+1 is predicted by the logits at the packed position of src.
     flat_mask = mask.reshape(-1)
@@ -323,7 +320,5 @@ def packing_works(model) -> bool:
                            use_cache=False).logits
         _PACKING[kind] = bool(torch.allclose(apart.float(), packed.float(), atol=1e-3, rtol=1e-3))
         if not _PACKING[kind]:
-            import logging
-            logging.getLogger(__name__).warning("%s does not separate packed sequences: padded batches instead",
-                                                kind.__name__)
+            log.warning("%s does not separate packed sequences: padded batches instead", kind.__name__)
     return _PACKING[kind]

@@ -31,8 +31,8 @@ class Generation:
         logprobs = None if any(g.logprobs is None for _, g in parts) else [lp for _, g in parts for lp in g.logprobs]
         timings: dict[str, float] = {}
         for _, g in parts:
-            for k, v in g.timings.items():  # times add up; a staleness is the largest of the parts'
-                timings[k] = max(timings.get(k, 0.0), v) if k == "staleness" else timings.get(k, 0.0) + v
+            for k, v in g.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
         return cls([lo + i for lo, g in parts for i in g.prompt_index],
                    [c for _, g in parts for c in g.completion_ids], [t for _, g in parts for t in g.texts],
                    [t for _, g in parts for t in g.truncated], logprobs, timings)

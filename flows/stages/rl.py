@@ -224,7 +224,10 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
                                    p.tokenizer.pad_token_id, p.process_reward)
     metrics.update(rollout_metrics(kept, drawn))
-    if isinstance(p.sampler, Overlapped) and step + 1 < rl_steps(len(p.dataset), s):
+    overlapped = isinstance(p.sampler, Overlapped)
+    # Optimizer updates between the weights that generated this step's samples and these.
+    metrics["rollout/staleness"] = float(p.sampler.take_staleness()) if overlapped else 0.0
+    if overlapped and step + 1 < rl_steps(len(p.dataset), s):
         prefetch(ctx, p, step + 1)  # generates on these weights while this step trains
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances

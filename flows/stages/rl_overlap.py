@@ -72,9 +72,9 @@ def bare_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class Overlapped(Sampler):
     """Wraps the stage's sampler: `prefetch` starts a request in the worker on the weights of the last
-    `update_weights`; `generate` of that same request returns its result (timings: `generate_s` is the
-    wait, `staleness` the updates since its weights), any other request generates here on the current
-    weights."""
+    `update_weights`; `generate` of that same request returns its result (`generate_s` is the wait), any
+    other request generates here on the current weights. `take_staleness` gives the most updates between
+    generating and using weights since it was last called."""
 
     online = True
 
@@ -91,6 +91,7 @@ class Overlapped(Sampler):
         self.version = 0  # updates staged so far
         self.pending: list[Request] = []  # in flight, in the order the worker answers them
         self.unacknowledged = 0  # requests whose weights the worker has not loaded yet
+        self.staleness = 0
 
     def load(self, model, tokenizer) -> None:
         self.inner.load(model, tokenizer)
@@ -102,9 +103,7 @@ class Overlapped(Sampler):
 
     def generate(self, prompt_ids, n, gen, seed):
         if not self.pending or Request.of(prompt_ids, n, gen, seed) != self.pending[0]:
-            g = self.inner.generate(prompt_ids, n, gen, seed)
-            g.timings["staleness"] = 0.0
-            return g
+            return self.inner.generate(prompt_ids, n, gen, seed)
         start = time.perf_counter()
         request, version, g, error = self._get(self.results)
         if request != self.pending.pop(0):
@@ -112,8 +111,12 @@ class Overlapped(Sampler):
         if error is not None:
             raise AlignflowError(f"overlapped rollouts: the worker failed:\n{error}")
         g.timings["generate_s"] = time.perf_counter() - start
-        g.timings["staleness"] = float(self.version - version)
+        self.staleness = max(self.staleness, self.version - version)
         return g
+
+    def take_staleness(self) -> int:
+        out, self.staleness = self.staleness, 0
+        return out
 
     def update_weights(self, model) -> None:
         """Stage the new weights once the worker has loaded the last ones it was asked for."""

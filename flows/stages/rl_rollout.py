@@ -117,8 +117,7 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
         logprobs=g.logprobs, group=[groups[i] for i in g.prompt_index], reward=scored.rewards.total,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
     )
-    return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s,
-                     "staleness": g.timings.get("staleness", 0.0)}
+    return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 
 
 def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
@@ -152,13 +151,11 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     G, want = s.group_size, s.prompts_per_step
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
     times = {"generate": 0.0, "score": 0.0}
-    staleness = 0.0
     while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
         rows, mine, seed = round_share(ctx, step, rounds, dataset)
         samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
                                     [rounds * want + i for i in mine], process_reward)
         samples = whole_round(samples)
-        staleness = max(staleness, t.pop("staleness"))
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -173,7 +170,6 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         "sampling/rounds": float(rounds),
         "sampling/groups_filtered": float(filtered),
         "sampling/groups_kept": float(n_kept),
-        "rollout/staleness": staleness,  # optimizer updates between the weights that generated and these
         **{f"time/{k}": v for k, v in times.items()},
     }
     return Samples.join(kept), Samples.join(drawn), metrics

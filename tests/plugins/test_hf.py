@@ -133,8 +133,15 @@ def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkey
     s = sampler(policy)
     s.stop_ids = set(range(0, len(tok), 3))  # a third of the vocabulary stops a row
     monkeypatch.setattr(hf, "COMPACT_AT", 0.01)  # drop stopped rows at every step
+    from transformers import DynamicCache
+
+    kept = []
+    select = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices",
+                        lambda cache, idx: kept.append(len(idx)) or select(cache, idx))
     prompts = [tok.encode("12+3="), tok.encode("987-654=")]
     gen = s.generate(prompts, 6, GenerationSettings(max_new_tokens=12, temperature=1.0), seed=5)
+    assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 12  # the batch did shrink
     lengths = gen.lengths
     assert len(set(lengths)) > 2 and min(lengths) < 12  # rows did stop at different steps
     for i, ids in enumerate(gen.completion_ids):
