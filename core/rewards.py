@@ -28,6 +28,14 @@ def completion_lengths(completions: list[str], columns: dict[str, Any]) -> list[
     return [len(c) for c in completions]
 
 
+class Scores(list):
+    """A reward's values with counts to log beside them, as `reward/<name>/<key>` (summed over batches)."""
+
+    def __init__(self, values, counts: dict[str, float] | None = None):
+        super().__init__(values)
+        self.counts = dict(counts or {})
+
+
 @dataclass
 class Reward:
     """One resolved reward: its label, weight and callable (a function or a configured instance)."""
@@ -56,7 +64,10 @@ class RewardOutput:
         total = [t for p in parts for t in p.total]
         values = {name: [v for p in parts for v in p.values[name]] for name in parts[0].values}
         failed = {name: sum(p.metrics.get(f"reward/{name}/failed", 0.0) for p in parts) for name in values}
-        return cls(total, values, _metrics(total, values, failed))
+        metrics = _metrics(total, values, failed)
+        counts = {k for p in parts for k in p.metrics if k not in metrics and not k.endswith("/mean")}
+        metrics.update({k: sum(p.metrics.get(k, 0.0) for p in parts) for k in sorted(counts)})
+        return cls(total, values, metrics)
 
 
 def _metrics(total: list[float], values: dict[str, list[float | None]], failed: dict[str, float]) -> dict[str, float]:
@@ -123,7 +134,10 @@ class RewardSet:
             sum(r.weight * v for r in self.rewards if (v := values[r.name][i]) is not None)
             for i in range(n)
         ]
-        return RewardOutput(total, values, _metrics(total, values, {r.name: results[r.name][1] for r in self.rewards}))
+        metrics = _metrics(total, values, {r.name: results[r.name][1] for r in self.rewards})
+        for r in self.rewards:
+            metrics.update({f"reward/{r.name}/{k}": v for k, v in results[r.name][2].items()})
+        return RewardOutput(total, values, metrics)
 
 
 def _row(i: int, n: int, prompts, completions, columns) -> dict[str, Any]:
@@ -153,37 +167,46 @@ def _fail(reward: Reward, values: list, failed: int, first: BaseException | None
     return values, failed
 
 
-def _score(reward: Reward, prompts, completions, columns) -> tuple[list[float | None], int]:
+def _counts(out: Any, into: dict[str, float]) -> None:
+    for key, v in getattr(out, "counts", {}).items():
+        into[key] = into.get(key, 0.0) + float(v)
+
+
+def _score(reward: Reward, prompts, completions, columns) -> tuple[list[float | None], int, dict]:
     """Call on the whole batch; if that raises, call per sample so one bad sample costs only itself."""
-    n = len(prompts)
+    n, counts = len(prompts), {}
     try:
         out = reward.fn(prompts=prompts, completions=completions, **columns)
-        return _fail(reward, _check(reward, out, n), 0, None)
+        _counts(out, counts)
+        return *_fail(reward, _check(reward, out, n), 0, None), counts
     except RewardError:
         raise
     except Exception as exc:
         first = exc
         if n == 1:
-            return _fail(reward, [None], 1, first)
+            return *_fail(reward, [None], 1, first), counts
         log.warning("reward %r raised on a batch (%s); retrying per sample", reward.name, exc)
     values, failed = [], 0
     for i in range(n):
         try:
-            values += _check(reward, reward.fn(**_row(i, n, prompts, completions, columns)), 1)
+            out = reward.fn(**_row(i, n, prompts, completions, columns))
+            values += _check(reward, out, 1)
+            _counts(out, counts)
         except RewardError:
             raise
         except Exception:
             values.append(None)
             failed += 1
-    return _fail(reward, values, failed, first)
+    return *_fail(reward, values, failed, first), counts
 
 
-async def _ascore(reward: Reward, prompts, completions, columns) -> tuple[list[float | None], int]:
+async def _ascore(reward: Reward, prompts, completions, columns) -> tuple[list[float | None], int, dict]:
     """The async twin of `_score`: per-sample retries run concurrently."""
-    n = len(prompts)
+    n, counts = len(prompts), {}
     try:
         out = await reward.fn(prompts=prompts, completions=completions, **columns)
-        return _fail(reward, _check(reward, out, n), 0, None)
+        _counts(out, counts)
+        return *_fail(reward, _check(reward, out, n), 0, None), counts
     except RewardError:
         raise
     except Exception as exc:
@@ -192,4 +215,6 @@ async def _ascore(reward: Reward, prompts, completions, columns) -> tuple[list[f
         *(reward.fn(**_row(i, n, prompts, completions, columns)) for i in range(n)), return_exceptions=True
     )
     values = [None if isinstance(o, Exception) else _check(reward, o, 1)[0] for o in outs]
-    return _fail(reward, values, sum(isinstance(o, Exception) for o in outs), first)
+    for o in outs:
+        _counts(o, counts)
+    return *_fail(reward, values, sum(isinstance(o, Exception) for o in outs), first), counts

@@ -1,21 +1,37 @@
-"""Run untrusted Python in a separate process: resource limits, no privileges, no network, a scratch folder.
+"""Run untrusted Python in a sandbox, with a private message channel to the process that started it.
 
-Each run gets a fresh, otherwise unused uid when the parent is root, so RLIMIT_NPROC counts only that
-run's processes, files not world-readable are out of reach, and every process the run leaves behind
-(even one that called setsid) is found and killed by uid afterwards. Network: a new network namespace
-(no interfaces) where the kernel allows one; otherwise `socket` is disabled in the child before user
-code runs, which is best-effort only (ctypes can bypass it). Not covered: world-readable files, and
-disk use through many files each under the file-size limit in world-writable folders.
+Isolation `namespaces` (the default where bubblewrap's `bwrap` works): each run gets fresh mount, pid,
+ipc, uts and network namespaces; a read-only view of only the interpreter, its stdlib, its
+site-packages and the system's shared libraries; its own `/proc`; a size-capped tmpfs as its working
+folder and `/tmp`, another as `/dev/shm`; no_new_privs. When the parent is root the program runs as a
+fresh, otherwise unused uid (bwrap runs privileged and the bootstrap drops to it before the program
+starts); otherwise bwrap uses an unprivileged user namespace and the program keeps the caller's uid.
+When a run ends, its pid namespace takes every process it started and its mount namespace every file
+it wrote.
+
+Isolation `basic` (where bwrap is missing or namespaces are not allowed): resource limits, a fresh uid
+when root, a network namespace where the kernel allows one (else `socket` disabled in the child,
+best-effort), a scratch folder on the host removed afterwards. The host filesystem and `/proc` stay
+visible to it; `auto` warns when it has to fall back to this.
+
+Both: rlimits (CPU, address space, file size, processes, open files), an empty environment, one wall
+clock for the whole run, clean-up included. The child's first message on the channel says that its
+setup finished; it is sent before any untrusted code exists in the process, so a program cannot
+forge a setup failure (exit status and output are its own and never read as the sandbox's verdict).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import marshal
 import os
 import random
+import select
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -23,21 +39,67 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
 from alignflow.core.errors import AlignflowError
 
-UID_BASE, UID_SPAN = 1 << 30, 1 << 28  # far above any account: a random pick collides with nothing
+log = logging.getLogger(__name__)
 
-# Runs in the child as root, before any user code: limits, network, privileges, then the program.
-SETUP_FAILED = "alignflow-sandbox-setup-failed"
+UID_BASE, UID_SPAN = 1 << 30, 1 << 28  # far above any account: a random pick collides with nothing
+Isolation = Literal["auto", "namespaces", "basic"]
+HEADER = struct.Struct(">I")
+
+# Runs in the child before any untrusted code: limits, privileges, network, then the ready message
+# and the program (given the channel as `send` / `recv`). Python 3.8+ syntax: it runs on the system's
+# interpreter, not necessarily this one.
 BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys
+import marshal, os, resource, sys
+def channel(rfd, wfd, write=os.write, read=os.read, loads=marshal.loads, frm=int.from_bytes):
+    esc = {i: "\\u%04x" % i for i in list(range(32)) + list(range(0xD800, 0xE000))}
+    esc.update({34: '\\"', 92: "\\\\"})
+    floats = {"inf": "Infinity", "-inf": "-Infinity", "nan": "NaN"}
+    def dumps(x):  # JSON of plain data, without the json module (which costs its importer 14 ms)
+        t = type(x)
+        if x is None or t is bool:
+            return "null" if x is None else "true" if x else "false"
+        if t is int:
+            return int.__repr__(x)
+        if t is float:
+            r = float.__repr__(x)
+            return floats.get(r, r)
+        if t is str:
+            return '"' + str.translate(x, esc) + '"'
+        if t is list or t is tuple:
+            return "[" + ",".join([dumps(v) for v in x]) + "]"
+        if t is dict:
+            return "{" + ",".join([dumps(str(k)) + ":" + dumps(v) for k, v in x.items()]) + "}"
+        raise TypeError("cannot send a %s" % t.__name__)
+    def send(obj):
+        data = dumps(obj).encode()
+        data = len(data).to_bytes(4, "big") + data
+        while data:
+            data = data[write(wfd, data):]
+    def exact(n):
+        parts = []
+        while n:
+            part = read(rfd, min(n, 1 << 20))
+            if not part:
+                raise EOFError("the channel closed")
+            parts.append(part)
+            n -= len(part)
+        return b"".join(parts)
+    def recv():  # from the trusted side only: marshal
+        return loads(exact(frm(exact(4), "big")))
+    return send, recv
 def setup(cfg):
     for name, (soft, hard) in cfg["rlimits"].items():
         resource.setrlimit(getattr(resource, name), (soft, hard))
-    libc = ctypes.CDLL(None, use_errno=True)
-    CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-    offline = libc.unshare(CLONE_NEWNET) == 0  # needs CAP_SYS_ADMIN: root on most hosts
+    offline = cfg["offline"]
+    if not offline:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
+        offline = libc.unshare(CLONE_NEWNET) == 0  # needs CAP_SYS_ADMIN: root on most hosts
     if cfg["uid"] is not None:
         os.setgroups([])
         os.setgid(cfg["uid"])
@@ -54,20 +116,30 @@ def setup(cfg):
         for mod in (socket, _socket):
             mod.socket = mod.SocketType = _NoSocket
 try:
-    setup(json.loads(sys.argv[1]))
+    send, recv = channel(int(sys.argv[1]), int(sys.argv[2]))
+    cfg = recv()
+    sys.path[:] = cfg["path"]  # started with -S: site's .pth scan is slow; this is the path it makes
+    setup(cfg)
 except BaseException as exc:
-    sys.stderr.write(f"alignflow-sandbox-setup-failed: {exc!r}\n")
+    sys.stderr.write("sandbox setup failed: %r\n" % (exc,))
     os._exit(125)
-del setup
+del setup, channel
+send({"ready": True})
 sys.argv = ["main.py"]
-with open("main.py") as f:
-    code = compile(f.read(), "main.py", "exec")
-exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
+exec(compile(cfg["program"], "<sandbox>", "exec"), {"__name__": "__sandbox__", "send": send, "recv": recv})
 """
 
 
 class SandboxError(AlignflowError):
-    """The sandbox itself could not run (no usable interpreter, leftover processes)."""
+    """The sandbox itself could not run (setup failed, no usable interpreter, leftover processes)."""
+
+
+class SampleError(Exception):
+    """The sandboxed program broke its side of the channel: it ran out of time, exited, or sent junk."""
+
+
+class SampleTimeout(SampleError):
+    """The run's wall clock ran out."""
 
 
 @dataclass(frozen=True)
@@ -75,22 +147,25 @@ class Limits:
     """Per-run limits; memory is address space, so it bounds what one allocation may ask for."""
 
     cpu_s: int = 5
-    wall_s: float = 10.0
+    wall_s: float = 10.0  # the whole run: start, program, clean-up
     memory_bytes: int = 1 << 30
     file_bytes: int = 16 << 20
     processes: int = 32
     open_files: int = 64
     output_bytes: int = 64 << 10  # how much of the end of stdout/stderr comes back
+    scratch_bytes: int = 64 << 20  # size of the tmpfs at the working folder and /tmp, and of /dev/shm's
+    message_bytes: int = 8 << 20  # the largest message the program may send on the channel
 
 
 @dataclass
 class SandboxResult:
-    returncode: int  # negative: killed by that signal (SIGXCPU, SIGKILL, SIGXFSZ ...)
+    returncode: int | None  # negative: killed by that signal (SIGXCPU, SIGKILL, SIGXFSZ ...)
     stdout: str  # the last `output_bytes` of each stream
     stderr: str
     timed_out: bool
     seconds: float
     uid: int | None  # the uid the run used; None when the parent was not root
+    isolation: str = "namespaces"
 
     @property
     def ok(self) -> bool:
@@ -141,6 +216,103 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
     }
 
 
+@lru_cache(maxsize=None)
+def _probe(python: str) -> tuple[str, str, list[str]]:
+    """sys.prefix, sys.base_prefix and sys.path (site's, for -I) of `python`."""
+    probe = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.path]))"
+    out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, env={}, check=True)
+    prefix, base_prefix, paths = json.loads(out.stdout)
+    return prefix, base_prefix, paths
+
+
+@lru_cache(maxsize=None)
+def _view(python: str) -> tuple[str, ...]:
+    """bwrap arguments for a read-only view of what `python` needs: itself, its sys.path, shared libraries."""
+    prefix, base_prefix, paths = _probe(python)
+    args: list[str] = []
+    bound: list[str] = []
+    made: set[str] = {"/"}
+
+    def parents(path: str) -> None:  # bwrap would make them 0700, unreachable after the uid drop
+        for folder in reversed(Path(path).parents):
+            if str(folder) not in made:
+                made.add(str(folder))
+                args.extend(["--perms", "0755", "--dir", str(folder)])
+
+    def bind(path: str) -> None:
+        real = os.path.realpath(path)
+        if os.path.exists(real) and not any(real == b or real.startswith(b + "/") for b in bound):
+            bound.append(real)
+            parents(real)
+            args.extend(["--ro-bind", real, real])
+
+    for top in ["/lib", "/lib32", "/lib64", "/libx32"]:  # the dynamic loader and libc
+        if os.path.islink(top):
+            args.extend(["--symlink", os.readlink(top), top])
+        elif os.path.isdir(top):
+            bind(top)
+    for lib in ["/usr/lib", "/usr/lib32", "/usr/lib64"]:
+        bind(lib)
+    bind(python)
+    if os.path.realpath(python) != python:  # the name it was started by: a venv finds pyvenv.cfg by it
+        parents(python)
+        args.extend(["--symlink", os.path.realpath(python), python])
+    if prefix != base_prefix:
+        bind(os.path.join(prefix, "pyvenv.cfg"))
+    for path in paths:
+        if path:
+            bind(path)
+    return tuple(args)
+
+
+def _bwrap(python: str, limits: Limits, privileged: bool) -> list[str]:
+    scratch = str(limits.scratch_bytes)
+    args = [
+        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--die-with-parent", "--new-session", *_view(python), "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", scratch, "--tmpfs", "/tmp",
+        "--perms", "1777", "--size", scratch, "--tmpfs", "/dev/shm", "--chdir", "/tmp",
+    ]
+    if privileged:  # the bootstrap drops to the run's uid; setuid clears these again
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user", "--disable-userns"]
+    return args
+
+
+_warned: set[str] = set()
+
+
+@lru_cache(maxsize=None)
+def namespaces_available(python: str) -> str | None:
+    """None when bwrap can sandbox `python` here, else why not."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (`bwrap`) is not installed"
+    try:
+        with Sandbox("", Limits(wall_s=30.0), python, "namespaces"):
+            pass
+    except (SandboxError, SampleError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def resolve_isolation(isolation: Isolation, python: str) -> str:
+    """`namespaces` or `basic`: `auto` is namespaces where they work, else basic with a loud warning."""
+    if isolation == "basic":
+        return "basic"
+    why = namespaces_available(python)
+    if why is None:
+        return "namespaces"
+    if isolation == "namespaces":
+        raise SandboxError(f"namespace isolation is not available: {why}")
+    if why not in _warned:
+        _warned.add(why)
+        log.warning("SANDBOX FALLBACK: %s; untrusted code runs with rlimits and a fresh uid only: it can "
+                    "read world-readable host files and /proc, and write to /tmp and /dev/shm. Install "
+                    "bubblewrap (Debian: apt-get install bubblewrap) and allow user namespaces", why)
+    return "basic"
+
+
 def processes_of(uid: int) -> list[int]:
     """Live (non-zombie) processes owned by `uid`."""
     pids = []
@@ -167,6 +339,156 @@ def _kill_uid(uid: int, python: str) -> None:
     raise SandboxError(f"sandbox processes of uid {uid} survived SIGKILL: {processes_of(uid)}")
 
 
+def _tail(f, n: int) -> str:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - n))
+    return f.read().decode("utf-8", errors="replace")
+
+
+class Sandbox:
+    """One sandboxed interpreter running `program` (Python source; `send`/`recv` in its globals).
+
+    `send(obj)` / `recv()` exchange messages of plain data with it (marshal to the child, which is
+    safe to read only from a trusted writer; JSON back, parsed here with `json`); `recv` raises `SampleTimeout` when the
+    run's wall clock (which started at the spawn) runs out and `SampleError` when the program closed
+    the channel or sent something malformed or too large. Closing kills everything the run started.
+    """
+
+    def __init__(self, program: str, limits: Limits | None = None, python: str | None = None,
+                 isolation: Isolation = "auto"):
+        self.limits = limits = limits or Limits()
+        self.python = python = python or default_python()
+        self.isolation = resolve_isolation(isolation, python) if isolation == "auto" else isolation
+        root = os.geteuid() == 0
+        self.uid = _pick_uid() if root else None
+        self.workdir = None
+        self.start = time.monotonic()
+        self.deadline = self.start + limits.wall_s
+        self._buffer = b""
+        self.timed_out = False
+        to_child, self._to_child = os.pipe()
+        self._from_child, from_child = os.pipe()
+        os.set_blocking(self._to_child, False)
+        cfg = {"rlimits": _rlimits(limits), "uid": self.uid, "offline": self.isolation == "namespaces",
+               "program": program, "path": _probe(python)[2]}
+        command = [python, "-I", "-S", "-c", BOOTSTRAP, str(to_child), str(from_child)]
+        if self.isolation == "namespaces":
+            command = _bwrap(python, limits, privileged=root) + ["--", *command]
+            cwd = "/"
+        else:
+            self.workdir = cwd = tempfile.mkdtemp(prefix="alignflow-sandbox-")
+            if self.uid is not None:
+                os.chown(cwd, self.uid, self.uid)
+        self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        try:
+            self.proc = subprocess.Popen(
+                command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
+                pass_fds=(to_child, from_child), start_new_session=True,
+            )
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            os.close(to_child)
+            os.close(from_child)
+        self.result: SandboxResult | None = None
+        try:
+            self.send(cfg)
+            ready = self.recv()
+        except SampleError as exc:  # nothing untrusted has run yet: this is the sandbox's failure
+            result = self.close()
+            raise SandboxError(f"the sandbox could not be set up ({exc}; {self.isolation} isolation): "
+                               f"{result.stderr.strip()[-500:]}") from None
+        if ready != {"ready": True}:
+            self.close()
+            raise SandboxError(f"the sandbox sent {ready!r} before it was ready")
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def send(self, obj: Any) -> None:
+        data = marshal.dumps(obj)
+        data = HEADER.pack(len(data)) + data
+        while data:
+            if self.remaining() <= 0:
+                self.timed_out = True
+                raise SampleTimeout("the wall clock ran out")
+            if not _ready(self._to_child, select.POLLOUT, self.remaining()):
+                continue
+            try:
+                data = data[os.write(self._to_child, data):]
+            except BrokenPipeError:
+                raise SampleError("the program stopped reading its channel") from None
+
+    def _read(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            wait = self.remaining()
+            if wait <= 0 or not _ready(self._from_child, select.POLLIN, wait):
+                self.timed_out = True
+                raise SampleTimeout("the wall clock ran out")
+            part = os.read(self._from_child, 1 << 20)
+            if not part:
+                raise SampleError("the program closed its channel")
+            self._buffer += part
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return out
+
+    def recv(self) -> Any:
+        (n,) = HEADER.unpack(self._read(HEADER.size))
+        if n > self.limits.message_bytes:
+            raise SampleError(f"a {n}-byte message, over the {self.limits.message_bytes}-byte limit")
+        try:
+            return json.loads(self._read(n))
+        except (ValueError, RecursionError) as exc:
+            raise SampleError(f"a malformed message: {exc}") from None
+
+    def close(self) -> SandboxResult:
+        """Kill the run and everything it started; wait for that, within the run's wall clock."""
+        if self.result is not None:
+            return self.result
+        if self.proc.poll() is None:
+            self.timed_out |= self.remaining() <= 0
+            _kill_group(self.proc.pid)  # namespaces: bwrap's own death takes the pid namespace
+        self.proc.wait()
+        if self.uid is not None and self.isolation == "namespaces":
+            for _ in range(500):  # the kernel is still tearing the pid namespace down: wait for it
+                if not processes_of(self.uid):
+                    break
+                time.sleep(0.001)
+        if self.uid is not None:
+            _kill_uid(self.uid, self.python)  # basic: includes processes that left the group with setsid
+        limit = self.limits.output_bytes
+        self.result = SandboxResult(self.proc.returncode, _tail(self._out, limit), _tail(self._err, limit),
+                                    self.timed_out, time.monotonic() - self.start, self.uid, self.isolation)
+        self._release()
+        return self.result
+
+    def _release(self) -> None:
+        for fd in (self._to_child, self._from_child):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._to_child = self._from_child = -1
+        self._out.close()
+        self._err.close()
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ready(fd: int, event: int, seconds: float) -> bool:
+    """Whether `fd` is ready for `event` (or closed) within `seconds`; poll, since fds may exceed 1023."""
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(0, int(seconds * 1000) + 1)))
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -174,44 +496,19 @@ def _kill_group(pgid: int) -> None:
         pass  # the group is already empty
 
 
-def _tail(f, n: int) -> str:
-    size = f.seek(0, os.SEEK_END)
-    f.seek(max(0, size - n))
-    return f.read().decode("utf-8", errors="replace")
+RUN_SCRIPT = """
+code = recv()["code"]
+exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py"})
+"""
 
 
-def run_python(code: str, limits: Limits | None = None, python: str | None = None) -> SandboxResult:
-    """Run `code` as `main.py` in a fresh scratch folder under the limits; the folder is removed after."""
-    limits = limits or Limits()
-    python = python or default_python()
-    uid = _pick_uid() if os.geteuid() == 0 else None
-    workdir = Path(tempfile.mkdtemp(prefix="alignflow-sandbox-"))
-    try:
-        (workdir / "main.py").write_text(code)
-        (workdir / "main.py").chmod(0o444)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        cfg = json.dumps({"rlimits": _rlimits(limits), "uid": uid})
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            start = time.monotonic()
-            proc = subprocess.Popen(
-                [python, "-I", "-c", BOOTSTRAP, cfg], cwd=workdir, env={}, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=err, start_new_session=True,
-            )
-            try:
-                proc.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            seconds = time.monotonic() - start
-            _kill_group(proc.pid)
-            proc.wait()
-            if uid is not None:
-                _kill_uid(uid, python)  # includes processes that left the group with setsid
-            result = SandboxResult(proc.returncode, _tail(out, limits.output_bytes),
-                                   _tail(err, limits.output_bytes), timed_out, seconds, uid)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if result.returncode == 125 and SETUP_FAILED in result.stderr:
-        raise SandboxError(f"the sandbox could not be set up: {result.stderr.strip()[-500:]}")
-    return result
+def run_python(code: str, limits: Limits | None = None, python: str | None = None,
+               isolation: Isolation = "auto") -> SandboxResult:
+    """Run `code` as `main.py` in the sandbox until it exits or the wall clock runs out."""
+    with Sandbox(RUN_SCRIPT, limits, python, isolation) as box:
+        box.send({"code": code})
+        try:
+            box.proc.wait(timeout=max(0.0, box.remaining()))
+        except subprocess.TimeoutExpired:
+            box.timed_out = True
+        return box.close()
