@@ -457,8 +457,10 @@ class Sandbox:
                 time.sleep(0.001)
         if self.uid is not None:
             _kill_uid(self.uid, self.python)  # basic: includes processes that left the group with setsid
-        limit = self.limits.output_bytes
-        self.result = SandboxResult(self.proc.returncode, _tail(self._out, limit), _tail(self._err, limit),
+        limit, code = self.limits.output_bytes, self.proc.returncode
+        if self.isolation == "namespaces" and code is not None and code > 128:
+            code = 128 - code  # bwrap exits 128 + n for a program killed by signal n
+        self.result = SandboxResult(code, _tail(self._out, limit), _tail(self._err, limit),
                                     self.timed_out, time.monotonic() - self.start, self.uid, self.isolation)
         self._release()
         return self.result
