@@ -158,9 +158,12 @@ def serve(send, recv):
                 exec(compile(request["code"], "solution.py", "exec"), namespace)
                 names = {}
                 for name, value in list(namespace.items()):
-                    if name.startswith("__") or _type(value) is _type(os):
+                    if name.startswith("__"):
                         continue
-                    names[name] = "callable" if callable(value) else "value"
+                    if _type(value) is _type(os):
+                        names[name] = "module " + _str_(_getattr(value, "__name__", ""))
+                    else:
+                        names[name] = "callable" if callable(value) else "value"
                 send({"names": names})
             elif op == "get":
                 reply(resolve(request["ref"]))

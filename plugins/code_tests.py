@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
 import operator
+import sys
 from typing import Any
 
 from alignflow.core.sandbox import Sandbox, SampleError, SampleTimeout
@@ -273,16 +275,29 @@ def run_tests(solution: Solution, code: str, tests: list) -> tuple[list[bool], s
 
 
 def load(solution: Solution, code: str) -> dict[str, Any] | bool:
-    """The test namespace: builtins and a proxy for every name the solution defines; False if it failed."""
+    """The test namespace: a proxy for each name the solution defines; False if it did not load.
+
+    Builtins are never shadowed (a solution's own `abs` or `sorted` would otherwise decide
+    `assert abs(f(x) - y) < eps`), and a module the solution imported is this process's own copy of
+    it, for standard-library modules only (tests that use the solution's `import math`).
+    """
     reply = solution.request(op="load", code=code)
     if not isinstance(reply.get("names"), dict):
         return False
     namespace: dict[str, Any] = {"__builtins__": builtins, "__name__": "__test__"}
     for name, kind in reply["names"].items():
-        ref = {"name": str(name)}
+        name, kind = str(name), str(kind)
+        if not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
+            continue
         try:
-            namespace[str(name)] = Remote(solution, ref, "function") if kind == "callable" else \
-                solution.value(solution.request(op="get", ref=ref))
+            if kind.startswith("module "):
+                module = kind.removeprefix("module ")
+                if module.partition(".")[0] in sys.stdlib_module_names:
+                    namespace[name] = importlib.import_module(module)
+            elif kind == "callable":
+                namespace[name] = Remote(solution, {"name": name}, "function")
+            else:
+                namespace[name] = solution.value(solution.request(op="get", ref={"name": name}))
         except (RemoteError, *EXCEPTIONS.values()):
             continue  # a value it cannot send: a test that uses it fails on the missing name
     return namespace

@@ -97,6 +97,8 @@ def test_correct_solutions_pass_every_test_form():
             "v = {1: (2, {3}), 'k': b'\\xff', 'z': frozenset([1]), 'c': 1 + 2j, 'n': None}\nassert echo(v) == v"]),
         "generator": ("def gen(n):\n    for i in range(n):\n        yield i", ["assert list(gen(3)) == [0, 1, 2]"]),
         "main guard": (CODE + "if __name__ == '__main__':\n    print(add(int(input()), 1))", TESTS),
+        "the solution's import": ("import math\ndef area(r):\n    return math.pi * r * r",
+                                  ["assert math.isclose(area(2), 12.566, rel_tol=1e-3)"]),
     }
     reward = CodeExec(CodeExec.Config(workers=4))
     out = reward(["p"] * len(forms), [c for c, _ in forms.values()], tests=[t for _, t in forms.values()])
@@ -117,6 +119,11 @@ def test_objects_that_claim_equality_score_zero():
         "list subclass": "class L(list):\n    def __eq__(self, other):\n        return True\n"
                          "def add(a, b):\n    return L()",
     }) == dict.fromkeys(["always equal", "int subclass", "str subclass", "list subclass"], 0.0)
+    shadows = "def abs(x):\n    return 0\ndef sorted(x):\n    return [1, 2]\nimport os as math\ndef half(x):\n    return 7"
+    tests = ["assert abs(half(1) - 0.5) < 1e-9", "assert sorted(half(1)) == [1, 2]", "assert math.isclose(half(1), 0.5)"]
+    reward = CodeExec(CodeExec.Config(score="fraction"))
+    assert reward(["p"] * 2, ["import math\ndef half(x):\n    return x / 2", shadows], tests=[tests[::2]] * 2) == [1.0, 0.0]
+    assert reward(["p"], [shadows], tests=[tests[1:2]]) == [0.0]  # its own builtins do not reach the tests
     everything = ("class X:\n    __eq__ = __lt__ = __le__ = __gt__ = __ge__ = lambda s, o: True\n"
                   "    __ne__ = lambda s, o: False\n    __sub__ = __rsub__ = lambda s, o: 0\n"
                   "    __abs__ = lambda s: 0\n    __float__ = lambda s: 0.5\n    __bool__ = lambda s: True\n"
