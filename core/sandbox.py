@@ -3,7 +3,8 @@
 Isolation `namespaces` (the default where bubblewrap's `bwrap` works): each run gets fresh mount, pid,
 ipc, uts and network namespaces; a read-only view of only the interpreter, its stdlib, its
 site-packages and the system's shared libraries; its own `/proc`; a size-capped tmpfs as its working
-folder and `/tmp`, another as `/dev/shm`; no_new_privs. When the parent is root the program runs as a
+folder and `/tmp`, another as `/dev/shm`; no_new_privs; a seccomp filter refusing new user
+namespaces (in one of its own, a process could mount a tmpfs without the size cap). When the parent is root the program runs as a
 fresh, otherwise unused uid (bwrap runs privileged and the bootstrap drops to it before the program
 starts); otherwise bwrap uses an unprivileged user namespace and the program keeps the caller's uid.
 When a run ends, its pid namespace takes every process it started and its mount namespace every file
@@ -26,6 +27,7 @@ import json
 import logging
 import marshal
 import os
+import platform
 import random
 import select
 import shutil
@@ -189,6 +191,39 @@ def _view(python: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+def _no_user_namespaces() -> bytes | None:
+    """A seccomp filter (classic BPF) refusing new user namespaces: `unshare`/`clone` with CLONE_NEWUSER
+    get EPERM, `clone3` ENOSYS (its flags sit behind a pointer; libc falls back to `clone`), and so do
+    other ABIs (i386 via int 0x80, x32). Inside one, a process may mount an uncapped tmpfs of its own.
+    None on an architecture this does not know."""
+    arch, nr = {"x86_64": (0xC000003E, (435, 272, 56)), "aarch64": (0xC00000B7, (435, 97, 220))}.get(
+        platform.machine(), (None, None))
+    if arch is None:
+        return None
+    clone3, unshare, clone = nr
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    x32 = 0x40000000 if platform.machine() == "x86_64" else 0xFFFFFFFF
+    program = [
+        (ld, 0, 0, 4),  # 0: arch
+        (jeq, 0, 8, arch),  # 1: else deny (10)
+        (ld, 0, 0, 0),  # 2: syscall number
+        (jge, 6, 0, x32),  # 3: x32 numbers: deny (10)
+        (jeq, 6, 0, clone3),  # 4: -> ENOSYS (11)
+        (jeq, 1, 0, unshare),  # 5: -> flags (7)
+        (jeq, 0, 2, clone),  # 6: -> flags (7), else allow (9)
+        (ld, 0, 0, 16),  # 7: the low half of args[0], the flags
+        (jset, 1, 0, 0x10000000),  # 8: CLONE_NEWUSER -> deny (10), else allow (9)
+        (ret, 0, 0, allow),  # 9
+        (ret, 0, 0, eperm),  # 10
+        (ret, 0, 0, enosys),  # 11
+    ]
+    return b"".join(struct.pack("<HBBI", *op) for op in program)
+
+
+SECCOMP = _no_user_namespaces()
+
+
 def _bwrap(python: str, limits: Limits, privileged: bool) -> list[str]:
     scratch = str(limits.scratch_bytes)
     args = [
@@ -297,8 +332,16 @@ class Sandbox:
         cfg = {"rlimits": _rlimits(limits), "uid": self.uid, "offline": self.isolation == "namespaces",
                "program": program, "path": _probe(python)[2]}
         command = [python, "-I", "-S", "-c", BOOTSTRAP, str(to_child), str(from_child)]
+        keep = [to_child, from_child]
         if self.isolation == "namespaces":
-            command = _bwrap(python, limits, privileged=root) + ["--", *command]
+            seccomp = []
+            if SECCOMP is not None:
+                filter_fd, write_end = os.pipe()
+                os.write(write_end, SECCOMP)
+                os.close(write_end)
+                keep.append(filter_fd)
+                seccomp = ["--seccomp", str(filter_fd)]
+            command = _bwrap(python, limits, privileged=root) + seccomp + ["--", *command]
             cwd = "/"
         else:
             self.workdir = cwd = tempfile.mkdtemp(prefix="alignflow-sandbox-")
@@ -308,14 +351,14 @@ class Sandbox:
         try:
             self.proc = subprocess.Popen(
                 command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
-                pass_fds=(to_child, from_child), start_new_session=True,
+                pass_fds=keep, start_new_session=True,
             )
         except BaseException:
             self._release()
             raise
         finally:
-            os.close(to_child)
-            os.close(from_child)
+            for fd in keep:
+                os.close(fd)
         self.result: SandboxResult | None = None
         try:
             self.send(cfg)

@@ -228,3 +228,15 @@ def test_auto_falls_back_to_basic_loudly_where_namespaces_fail(monkeypatch, capl
     with caplog.at_level("WARNING"):
         assert sandbox.resolve_isolation("auto", default_python()) == "basic"
     assert "SANDBOX FALLBACK" in caplog.text and "apt-get install bubblewrap" in caplog.text
+
+
+@needs_namespaces
+def test_no_user_namespace_of_its_own_so_no_uncapped_tmpfs_and_threads_and_forks_still_work():
+    code = (
+        "import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"  # CLONE_NEWUSER | CLONE_NEWNS
+        "t = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint('fork', os.waitpid(pid, 0)[1] >> 8)\n"
+    )
+    result = run(code, "namespaces")
+    assert result.stdout.split("\n")[:3] == ["-1 1", "thread", "fork 7"], result.stderr  # EPERM
