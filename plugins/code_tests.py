@@ -93,7 +93,7 @@ class Solution:
             raise EXCEPTIONS.get(name, RemoteError)(f"the solution raised {name}")
         try:
             return self.decode(reply["value"], inert)
-        except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as exc:
             self.dead = "crash"
             raise SampleError(f"a malformed value: {exc!r}") from None
 
