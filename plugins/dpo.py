@@ -10,7 +10,9 @@ from alignflow.core.preference import PairBatch, PreferenceAlgorithm
 class DPO(PreferenceAlgorithm):
     """Direct Preference Optimization (Rafailov et al. 2023): -log sigma(beta * log-ratio margin).
 
-    With label_smoothing eps > 0 it is conservative DPO (Mitchell 2023; TRL's `sigmoid` loss).
+    With label_smoothing eps > 0 it is conservative DPO (Mitchell 2023): -(1 - eps) log sigma(m) - eps log sigma(-m).
+    TRL 1.16's `sigmoid` loss ignores label_smoothing, and its `robust` loss (Chowdhury et al. 2024) is a
+    different formula: (-(1 - eps) log sigma(m) + eps log sigma(-m)) / (1 - 2 eps).
     """
 
     class Config(PluginConfig):

@@ -29,7 +29,8 @@ class ORPO(PreferenceAlgorithm):
     """ORPO (Hong et al. 2024): NLL(y_w) + lambda * -log sigma(log odds(y_w) - log odds(y_l)), no reference.
 
     odds use p = exp(mean token log-prob). The NLL is a token mean over the step's chosen sequences and,
-    as in the official code by default, includes prompt tokens (TRL excludes them: nll_includes_prompt=False).
+    as in the official code by default and in TRL 1.16, includes prompt tokens (`nll_includes_prompt: false`
+    is the official scripts' --disable_prompt_loss).
     """
 
     class Config(PluginConfig):
