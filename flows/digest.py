@@ -8,11 +8,13 @@ enter through their own digests, so a change reaches exactly a stage and its des
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import inspect
 import json
 import sqlite3
 import sys
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +108,35 @@ def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
     return h.hexdigest()
 
 
-def source_hash(obj: Any) -> str | None:
-    """sha256 of the source file of the module defining `obj`: an edit changes the digest."""
-    module = sys.modules.get(getattr(obj, "__module__", ""), None)
-    path = getattr(module, "__file__", None) or inspect.getsourcefile(obj)
-    return hash_file(Path(path)) if path else None
+def _closure(module_name: str, inside) -> tuple[set[str], set[str]]:
+    """Modules `inside(name)` reachable from `module_name` through module attributes (imported modules,
+    classes and functions), transitively; and the top-level names of the other modules they import."""
+    seen, outside, todo = set(), set(), [module_name]
+    while todo:
+        name = todo.pop()
+        module = sys.modules.get(name)
+        if name in seen or module is None:
+            continue
+        seen.add(name)
+        for value in vars(module).values():
+            dep = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            if not isinstance(dep, str) or dep in seen:
+                continue
+            if not inside(dep):
+                outside.add(dep.partition(".")[0])
+                continue
+            if inspect.ismodule(value) and dep.startswith(name + "."):
+                continue  # a package's submodules are its attributes once imported, not its dependencies
+            todo.append(dep)
+    return seen, outside
+
+
+def _hash_modules(names: set[str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(names):
+        path = getattr(sys.modules[name], "__file__", None)
+        h.update(f"{name}:{hash_file(Path(path)) if path else ''}\n".encode())
+    return h.hexdigest()
 
 
 def code_hash(module_name: str, package: str = "alignflow.") -> str:
@@ -120,25 +146,31 @@ def code_hash(module_name: str, package: str = "alignflow.") -> str:
     scoring), not only on its own file: an edit to any of them reruns the stage. Imports made inside
     functions are not seen.
     """
-    seen, todo = set(), [module_name]
-    while todo:
-        name = todo.pop()
-        module = sys.modules.get(name)
-        if name in seen or module is None:
-            continue
-        seen.add(name)
-        for value in vars(module).values():
-            dep = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
-            if not isinstance(dep, str) or not dep.startswith(package) or dep in seen:
+    return _hash_modules(_closure(module_name, lambda dep: dep.startswith(package))[0])
+
+
+@lru_cache(maxsize=1)
+def _distributions_of() -> dict[str, list[str]]:
+    return importlib.metadata.packages_distributions()
+
+
+def plugin_code(obj: Any, distribution: str | None = None) -> dict:
+    """What a plugin's behaviour depends on: `source`, a hash of its module and of every module of its
+    own distribution (its top-level package, the distribution's others, and alignflow's) it imports,
+    transitively; `imports`, the version of every other distribution those modules import."""
+    module = getattr(obj, "__module__", None) or ""
+    mapping = _distributions_of()
+    own = {module.partition(".")[0], "alignflow"}
+    own |= {top for top, dists in mapping.items() if distribution and distribution in dists}
+    seen, outside = _closure(module, lambda dep: dep.partition(".")[0] in own)
+    imports = {}
+    for top in sorted(outside - set(sys.stdlib_module_names) - {"builtins"}):
+        for dist in mapping.get(top, []):
+            try:
+                imports[dist] = importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
                 continue
-            if inspect.ismodule(value) and dep.startswith(name + "."):
-                continue  # a package's submodules are its attributes once imported, not its dependencies
-            todo.append(dep)
-    h = hashlib.sha256()
-    for name in sorted(seen):
-        path = getattr(sys.modules[name], "__file__", None)
-        h.update(f"{name}:{hash_file(Path(path)) if path else ''}\n".encode())
-    return h.hexdigest()
+    return {"source": _hash_modules(seen) if seen else None, "imports": imports}
 
 
 def data_version(project: Path) -> str | None:
@@ -180,7 +212,7 @@ def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
             continue
         entry = registry.entry(ref.name)
         versions[f"{kind}/{ref.name}"] = {"distribution": entry.distribution, "version": entry.version,
-                                          "source": source_hash(entry.obj)}
+                                          **plugin_code(entry.obj, entry.distribution)}
     return versions
 
 

@@ -122,6 +122,31 @@ def test_code_hash_follows_what_a_runner_imports_and_nothing_else(tmp_path, monk
         monkeypatch.delitem(sys.modules, name)
 
 
+def test_a_plugin_digest_covers_the_helper_modules_of_its_own_package(tmp_path, monkeypatch):
+    """A plugin class subclassing a class in another module of its package reruns when that module changes."""
+    import importlib
+
+    from alignflow.flows.digest import plugin_code
+
+    pkg = tmp_path / "thirdparty_algo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "base.py").write_text("import torch\n\nclass Base:\n    scale = 1.0\n")
+    (pkg / "other.py").write_text("X = 1\n")
+    (pkg / "plugin.py").write_text("from thirdparty_algo.base import Base\n\nclass Algo(Base):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    algo = importlib.import_module("thirdparty_algo.plugin").Algo
+    importlib.import_module("thirdparty_algo.other")
+    before = plugin_code(algo, "thirdparty-algo")
+    assert before["imports"]["torch"] == importlib.metadata.version("torch")  # another distribution: its version
+    (pkg / "other.py").write_text("X = 2\n")
+    assert plugin_code(algo, "thirdparty-algo") == before
+    (pkg / "base.py").write_text("import torch\n\nclass Base:\n    scale = 2.0\n")
+    assert plugin_code(algo, "thirdparty-algo")["source"] != before["source"]
+    for name in ("thirdparty_algo.plugin", "thirdparty_algo.base", "thirdparty_algo.other", "thirdparty_algo"):
+        monkeypatch.delitem(sys.modules, name)
+
+
 def test_the_number_of_processes_enters_the_digest_of_rl_stages_only(tmp_path, monkeypatch):
     """An rl stage's ranks sample with their own seeds, so two processes make other rollouts than one;
     an sft stage lands on the same weights whatever the number."""
