@@ -91,6 +91,7 @@ class PRMSettings(TrainSettings):
 
 class SelectSettings(PluginConfig):
     seed: int | None = None
+    allow_empty: bool = False  # a dataset output of no rows fails the stage unless this is set
 
 
 class SamplingSettings(PluginConfig):
@@ -106,6 +107,7 @@ class SampleSettings(SamplingSettings):
     # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair
     output: Literal["sft", "pairs"] = "sft"
     pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
+    allow_empty: bool = False  # no row kept fails the stage unless this is set
 
 
 class StepLabelSettings(SamplingSettings):
@@ -115,6 +117,7 @@ class StepLabelSettings(SamplingSettings):
     rollouts: int = Field(8, ge=1)  # completions of each step prefix (Math-Shepherd's N)
     label: Literal["hard", "soft"] = "hard"  # any rollout correct, or the share that is
     step_separator: str = Field("\n", min_length=1)
+    allow_empty: bool = False  # no row written fails the stage unless this is set
 
 
 class EvaluateSettings(SamplingSettings):

@@ -192,6 +192,24 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     return outcome
 
 
+class EmptyOutput(AlignflowError):
+    """A stage wrote a dataset of no rows where its settings do not allow that."""
+
+
+def refuse_empty(ctx: StageContext, result: StageResult) -> None:
+    """A dataset output with no rows fails the stage (never cached) unless `allow_empty` is set."""
+    path = result.outputs.get("dataset")
+    if path is None or getattr(ctx.settings, "allow_empty", True) or not Path(path).is_file():
+        return
+    with open(path, "rb") as f:
+        if any(line.strip() for line in f):
+            return
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in list(result.metrics.items())[:8])
+    raise EmptyOutput(f"stage {ctx.name!r} wrote no rows to {Path(path).name} ({shown or 'no metrics'}); "
+                      "the next stage would have nothing to train on. Set `allow_empty: true` in its "
+                      "settings where an empty output is expected")
+
+
 def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins) -> dict:
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
     ctx = StageContext(
@@ -206,6 +224,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
     try:
         result = call_runner(plan.kind, ctx, clock)
         started = clock[0]
+        refuse_empty(ctx, result)
     except Exception as exc:
         seconds = time.time() - clock[0] if clock else 0.0
         run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)

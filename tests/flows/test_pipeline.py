@@ -71,6 +71,18 @@ def test_failing_stage_stops_descendants_not_siblings(first, project, monkeypatc
     assert "split: missing" in out.err  # the error is in the summary table
 
 
+def test_a_stage_that_writes_no_rows_fails_and_is_not_cached(first, project, monkeypatch, capsys):
+    monkeypatch.chdir(project)
+    empty = ["--set", "d.selectors.0.config.equals=9"]  # no row has level 9
+    for _ in range(2):  # the failure is not cached: the second run fails the same way
+        assert main(["run", "chain.yaml", "--json", *empty]) == 1
+        out = capsys.readouterr()
+        summary = json.loads(out.out.strip().splitlines()[-1])
+        assert {s["name"]: s["status"] for s in summary["stages"]}["d"] == "failed"
+        assert "wrote no rows" in out.err and "allow_empty" in out.err
+    assert main(["run", "chain.yaml", "--json", *empty, "--set", "d.settings.allow_empty=true"]) == 0
+
+
 def test_mlflow_parent_run_with_a_nested_run_per_stage(first, project):
     client = MlflowClient(tracking_uri(project))
     parent = client.get_run(first.mlflow_run_id)
