@@ -167,11 +167,12 @@ def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
     if rules.get("needs_rewards") and not stage.rewards:
         raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
 
-    if stage.algorithm is not None:
-        algo = _check_ref(where, "algorithm", stage.algorithm, plugins.algorithms)
+    if stage.algorithm is not None:  # the kind first: an rl config in a preference stage is misplaced, not bad
+        algo = _lookup(where, "algorithm", stage.algorithm, plugins.algorithms)
         if getattr(algo, "stage", None) != stage.kind:
             raise SpecError(f"{where}, algorithm: {stage.algorithm.name!r} serves "
                             f"{getattr(algo, 'stage', '?')!r} stages, not {stage.kind!r}")
+        validate_config(algo, stage.algorithm.config, f"{where}, algorithm.config")
     if stage.sampler is None and stage.rewards and "sampler" in rules["plugins"]:
         stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
     if stage.sampler is not None:
@@ -183,11 +184,15 @@ def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
     _check_settings(where, stage)
 
 
-def _check_ref(where: str, field: str, ref: PluginRef, registry):
+def _lookup(where: str, field: str, ref: PluginRef, registry):
     try:
-        obj = registry.get(ref.name)
+        return registry.get(ref.name)
     except PluginError as exc:
         raise SpecError(f"{where}, {field}.name: {exc}") from None
+
+
+def _check_ref(where: str, field: str, ref: PluginRef, registry):
+    obj = _lookup(where, field, ref, registry)
     validate_config(obj, ref.config, f"{where}, {field}.config")
     return obj
 

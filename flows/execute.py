@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,6 +193,31 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     return outcome
 
 
+def blamed_plugin(exc: BaseException, stage, plugins) -> str | None:
+    """"<kind> '<name>' (<distribution> <version>)" of the stage's plugin whose code raised: the innermost
+    traceback frame in its module (in any module of its package, for a plugin outside alignflow)."""
+    refs = [("algorithm", stage.algorithm, plugins.algorithms), ("sampler", stage.sampler, plugins.samplers)]
+    refs += [("reward", r, plugins.rewards) for r in stage.rewards]
+    refs += [("selector", r, plugins.selectors) for r in stage.selectors]
+    owners = []
+    for kind, ref, registry in refs:
+        try:
+            entry = registry.entry(ref.name) if ref is not None else None
+        except AlignflowError:
+            continue
+        if entry is not None:
+            module = getattr(entry.obj, "__module__", None) or ""
+            scope = module if module.startswith("alignflow.") else module.partition(".")[0]
+            owners.append((scope, f"{kind} {ref.name!r} ({entry.distribution} {entry.version})"))
+    blamed = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        name = frame.f_globals.get("__name__", "")
+        for scope, label in owners:
+            if scope and (name == scope or name.startswith(scope + ".")):
+                blamed = label
+    return blamed
+
+
 class EmptyOutput(AlignflowError):
     """A stage wrote a dataset of no rows where its settings do not allow that."""
 
@@ -227,8 +253,10 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         refuse_empty(ctx, result)
     except Exception as exc:
         seconds = time.time() - clock[0] if clock else 0.0
-        run.finish("failed", {}, {"alignflow.error": f"{type(exc).__name__}: {exc}"[:5000]}, None)
-        failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s: {type(exc).__name__}: {exc}")
+        culprit = blamed_plugin(exc, plan.spec, plugins)
+        where = f" in {culprit}" if culprit else ""
+        run.finish("failed", {}, {"alignflow.error": f"{where.strip()} {type(exc).__name__}: {exc}"[:5000]}, None)
+        failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s{where}: {type(exc).__name__}: {exc}")
         failed.seconds = seconds
         raise failed from exc
     finished = time.time()

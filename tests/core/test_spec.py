@@ -151,6 +151,12 @@ def test_algorithm_of_the_wrong_stage_kind(tmp_path, plugins):
         load_spec(write(tmp_path, text), plugins)
 
 
+def test_a_misplaced_algorithm_with_its_own_config_is_named_before_its_config_is_checked(tmp_path, plugins):
+    text = GOOD.replace("algorithm: toy_rl", "algorithm: {name: toy, config: {beta: 0.5, clip_eps: 0.2}}")
+    with pytest.raises(SpecError, match=r"stage 'rl', algorithm: 'toy' serves 'preference' stages, not 'rl'"):
+        load_spec(write(tmp_path, text), plugins)  # not "clip_eps: Extra inputs are not permitted"
+
+
 def test_bad_settings_field(tmp_path, plugins):
     text = GOOD.replace("lr: 1.0e-5", "lr: fast")
     with pytest.raises(SpecError, match=r"stage 'prefs', settings.lr: Input should be a valid number"):

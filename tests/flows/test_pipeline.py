@@ -4,6 +4,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from alignflow.core import Selector, hookimpl
+from alignflow.core.plugins import get_plugins
 from alignflow.flows.cli import main
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.tracking import tracking_uri
@@ -99,3 +101,30 @@ def test_mlflow_parent_run_with_a_nested_run_per_stage(first, project):
     assert [m.value for m in client.get_metric_history(b.info.run_id, "rows")] == [8.0, 5.0]
     artifacts = {f.path for f in client.list_artifacts(b.info.run_id)}
     assert {"manifest.json", "plots"} <= artifacts
+
+
+class Exploding:
+    """A third-party selector whose code raises."""
+
+    @staticmethod
+    @hookimpl
+    def register_selectors(register):
+        class Explode(Selector):
+            def __call__(self, rows, rng):
+                return [row["no_such_column"] for row in rows]
+
+        register("explode", Explode)
+
+
+def test_a_plugin_that_raises_is_named_with_its_distribution(first, project, monkeypatch, capsys):
+    plugins = get_plugins()
+    plugins.add(Exploding, "exploding", "thirdparty-selectors", "1.2")
+    monkeypatch.chdir(project)
+    try:
+        code = main(["run", "chain.yaml", "--set", "d.selectors.0={name: explode}"])
+    finally:
+        plugins.remove("exploding")
+    captured = capsys.readouterr()
+    err = " ".join((captured.out + captured.err).replace("│", " ").split())
+    assert code == 1
+    assert "selector 'explode' (thirdparty-selectors 1.2): KeyError" in err, err[-2000:]
