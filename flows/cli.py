@@ -22,19 +22,54 @@ err_console = Console(stderr=True)
 
 
 def cmd_plugins(args) -> int:
-    """List every loaded plugin: kind, name, distribution, version, description."""
+    """List every loaded plugin: kind, name, distribution, version, description; `show NAME` for one."""
+    from alignflow.core.describe import describe
     from alignflow.core.plugins import get_plugins
 
-    rows = [e.as_dict() for e in get_plugins().entries()]
+    entries = get_plugins().entries()
+    if args.action == "show":
+        return _show_plugin(args, [e for e in entries if e.name == args.name])
     if args.json:
-        print(json.dumps(rows, indent=2))
+        keys = ("kind", "name", "distribution", "version", "description", "stage", "entry_point", "config_schema")
+        print(json.dumps([{k: d[k] for k in keys} for d in map(describe, entries)], indent=2))
         return 0
     table = Table(title="alignflow plugins")
     for col in ("kind", "name", "distribution", "version", "description"):
         table.add_column(col)
-    for row in rows:
+    for row in (e.as_dict() for e in entries):
         table.add_row(*(row[c] for c in ("kind", "name", "distribution", "version", "description")))
     console.print(table)
+    return 0
+
+
+def _show_plugin(args, matches) -> int:
+    from alignflow.core.describe import default_text, describe
+    from alignflow.core.errors import PluginError
+
+    if args.kind:
+        matches = [e for e in matches if e.kind == args.kind]
+    if not args.name or not matches:
+        raise PluginError(f"no plugin named {args.name!r}" + (f" of kind {args.kind!r}" if args.kind else "")
+                          + "; `alignflow plugins` lists them")
+    described = [describe(e) for e in matches]
+    if args.json:
+        print(json.dumps(described if len(described) > 1 else described[0], indent=2))
+        return 0
+    for d in described:
+        serves = f", serves {d['stage']} stages" if d["stage"] else ""
+        console.print(f"[bold]{d['kind']} {d['name']}[/bold]{serves}: {d['distribution']} {d['version']} "
+                      f"(entry point {d['entry_point']!r})", highlight=False)
+        if d["doc"]:
+            console.print(d["doc"], highlight=False, soft_wrap=True)
+        if not d["fields"]:
+            console.print("[dim]no config[/dim]")
+            continue
+        table = Table(title=f"{d['name']}.config")
+        for col in ("field", "type", "default", "description"):
+            table.add_column(col)
+        for f in d["fields"]:
+            table.add_row(f["name"], f["type"], default_text(f["default"]), f["description"])
+        console.print(table)
     return 0
 
 
@@ -137,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help=cmd_plugins.__doc__)
-    p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    p.add_argument("action", nargs="?", choices=["show"], help="show NAME: one plugin's config fields")
+    p.add_argument("name", nargs="?", help="the plugin to show")
+    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector"], help="when names collide")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
 
     p = sub.add_parser("validate", help=cmd_validate.__doc__)

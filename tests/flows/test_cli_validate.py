@@ -47,7 +47,11 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     out = alignflow("plugins", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
-    assert all(list(r) == ["kind", "name", "distribution", "version", "description"] for r in rows)
+    assert all(list(r) == ["kind", "name", "distribution", "version", "description", "stage", "entry_point",
+                           "config_schema"] for r in rows)
+    by_name = {(r["kind"], r["name"]): r for r in rows}
+    assert by_name[("algorithm", "dpo")]["stage"] == "preference" and by_name[("reward", "format")]["stage"] is None
+    assert by_name[("algorithm", "dpo")]["config_schema"]["properties"]["beta"]["exclusiveMinimum"] == 0.0
     names = {(r["kind"], r["name"]) for r in rows if r["distribution"] == "alignflow"}
     algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo",
                   "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
@@ -55,6 +59,20 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert {("algorithm", a) for a in algorithms} <= names
     assert {("reward", r) for r in rewards} <= names
     assert ("sampler", "hf") in names
+
+
+def test_plugins_show_gives_each_config_field_with_type_default_and_description():
+    out = alignflow("plugins", "show", "grpo", "--json")
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert (shown["kind"], shown["stage"], shown["entry_point"]) == ("algorithm", "rl", "grpo")
+    fields = {f["name"]: f for f in shown["fields"]}
+    assert fields["kl_loss_coef"]["default"] == 0.04 and fields["clip_low"]["type"] == "float (>= 0.0, < 1.0)"
+    assert fields["dual_clip"]["description"] == "c of dual-clip PPO; None disables"  # the field's comment
+    table = alignflow("plugins", "show", "code_exec")
+    assert table.returncode == 0 and "samples run at once" in table.stdout and "isolation" in table.stdout
+    missing = alignflow("plugins", "show", "grpoo")
+    assert missing.returncode == 1 and "no plugin named 'grpoo'" in missing.stderr
 
 
 def test_run_refuses_a_bad_process_count_before_any_work(pipeline):
