@@ -32,9 +32,9 @@ class TrainSettings(PluginConfig):
 
     seed: int | None = None  # None: the pipeline's seed
     model: ModelOptions = Field(default_factory=ModelOptions)
-    epochs: float = 1.0
-    max_steps: int | None = None  # optimizer steps; overrides epochs when set
-    lr: float = 1e-4
+    epochs: float = Field(1.0, gt=0.0)
+    max_steps: int | None = Field(None, ge=1)  # optimizer steps; overrides epochs when set
+    lr: float = Field(1e-4, ge=0.0)  # a pipeline spec also refuses 0 (it trains nothing); tests freeze with it
     lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
     weight_decay: float = 0.0
@@ -60,7 +60,7 @@ class RLSettings(TrainSettings):
     group_size: int = Field(8, ge=1)  # G completions per prompt
     ppo_epochs: int = Field(1, ge=1)  # mu: update passes over each rollout batch
     batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step; None: the whole rollout
-    lr: float = 1e-6
+    lr: float = Field(1e-6, ge=0.0)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     log_every: int = Field(1, ge=1)

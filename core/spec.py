@@ -128,8 +128,16 @@ def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
+    problems = []  # every stage's first problem, reported together
     for name, stage in spec.stages.items():
-        check_stage(name, stage, source, plugins)
+        try:
+            check_stage(name, stage, source, plugins)
+        except SpecError as exc:
+            problems.append(str(exc))
+    if len(problems) == 1:
+        raise SpecError(problems[0])
+    if problems:
+        raise SpecError(f"{source}: {len(problems)} stages have problems:\n" + "\n".join(f"  {p}" for p in problems))
     return spec
 
 
@@ -216,6 +224,21 @@ def validate_model(model: type[BaseModel] | None, config: dict, where: str):
 
 
 def _check_settings(where: str, stage: StageSpec) -> None:
+    """The kind's settings model, then what a pipeline cannot mean: lr 0, batches that do not divide."""
     from alignflow.core.settings import settings_model
 
-    validate_model(settings_model(stage.kind), stage.settings, f"{where}, settings")
+    s = validate_model(settings_model(stage.kind), stage.settings, f"{where}, settings")
+    if getattr(s, "lr", None) == 0:
+        raise SpecError(f"{where}, settings.lr: 0 would train nothing; expected a learning rate > 0")
+    micro = getattr(s, "micro_batch_size", None)
+    if micro is None:
+        return
+    size = s.batch_size
+    if stage.kind == "rl":
+        rollout = s.prompts_per_step * s.group_size
+        size = size or rollout
+        if rollout % size:
+            raise SpecError(f"{where}, settings.batch_size: {size} must divide the rollout, "
+                            f"prompts_per_step x group_size = {rollout}")
+    if size % micro:
+        raise SpecError(f"{where}, settings.batch_size: {size} must be a multiple of micro_batch_size={micro}")

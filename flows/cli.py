@@ -75,9 +75,9 @@ def _show_plugin(args, matches) -> int:
 
 def cmd_validate(args) -> int:
     """Validate a pipeline spec and print its stage DAG."""
-    from alignflow.core.spec import load_spec
+    from alignflow.flows.preflight import check_pipeline
 
-    spec = load_spec(args.pipeline)
+    spec = check_pipeline(Path(args.pipeline), [], Path.cwd())
     tree = Tree(f"[bold]{spec.name}[/bold] ({args.pipeline}): {len(spec.stages)} stages, valid")
     for name in spec.order():
         stage = spec.stages[name]
@@ -110,6 +110,9 @@ def _process_count(text: str) -> int:
 
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
+    from alignflow.flows.preflight import check_pipeline
+
+    check_pipeline(Path(args.pipeline), args.set, Path.cwd())  # before Prefect, MLflow or a model starts
     from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
     from alignflow.flows.pipeline import run_pipeline
     from alignflow.flows.report import write_curves, write_metrics

@@ -11,6 +11,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import json
+import re
 import sqlite3
 import sys
 import time
@@ -216,13 +217,27 @@ def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
     return versions
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
 def resolve_input(value: str, project: Path) -> Path | str:
-    """A local path (relative to the project) when it exists, else a hub id left as a string."""
+    """A local path (relative to the project) when it exists, else a hub id left as a string.
+
+    A hub id has the hub's form, `name` or `org/name`; a value that does not (`./x`, `/x`, `~/x`, a data
+    file's suffix, more than one `/`), or whose first folder exists in the project (`models/my-sft`
+    when `models/` is there), is a path, and a missing path is an error now rather than a failed
+    download later.
+    """
+    if value.startswith("builtin:"):  # a model the project builds itself (`builtin:tiny`)
+        return value
     path = Path(value).expanduser()
     path = path if path.is_absolute() else project / path
     if path.exists():
         return path
-    if value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".parquet", ".csv"}:
+    first = Path(value).parts[0] if Path(value).parts else ""
+    local = (value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".parquet", ".csv"}
+             or not HUB_ID.fullmatch(value) or ("/" in value and (project / first).is_dir()))
+    if local:
         raise SpecError(f"input {value!r}: no such file or folder (looked in {path})")
     return value
 

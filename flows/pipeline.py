@@ -146,21 +146,17 @@ def register_final_model(session: Session, report: PipelineReport) -> None:
         return
 
 
-def load_pipeline(pipeline: Path, overrides: list[str]) -> PipelineSpec:
-    """Validate a spec with its overrides before anything starts: errors come fast and plain."""
-    from alignflow.core.errors import SpecError
+def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path(".")) -> PipelineSpec:
+    """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`)."""
+    from alignflow.flows.preflight import check_pipeline
 
-    try:
-        raw = yaml.safe_load(pipeline.read_text()) or {}
-    except FileNotFoundError:
-        raise SpecError(f"{pipeline}: no such pipeline file") from None
-    return parse_spec(apply_overrides(raw, overrides), str(pipeline))
+    return check_pipeline(pipeline, overrides, project)
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
                  artifacts: Path | None = None) -> PipelineReport:
     """Run `pipeline_flow` and return its report, also when stages failed."""
-    load_pipeline(pipeline, list(overrides))
+    load_pipeline(pipeline, list(overrides), project)
     state = pipeline_flow(str(pipeline), list(overrides), str(project),
                           str(artifacts) if artifacts else None, return_state=True)
     result = state.result(raise_on_failure=False)

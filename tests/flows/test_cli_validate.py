@@ -80,7 +80,12 @@ def test_run_refuses_a_bad_process_count_before_any_work(pipeline):
     assert done.returncode == 2 and "--nproc='0': expected a whole number of processes" in done.stderr
 
 
-def test_validate_prints_the_dag(pipeline):
+def test_validate_prints_the_dag(pipeline, tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (tmp_path / "data" / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    monkeypatch.chdir(tmp_path)  # inputs are the project's, and the project is where alignflow runs
     out = alignflow("validate", pipeline(PIPELINE))
     assert out.returncode == 0, out.stderr
     assert out.stdout.index("sft") < out.stdout.index("dpo") and "model <- stage:sft" in out.stdout

@@ -1,0 +1,110 @@
+"""Everything about a pipeline that can be checked before compute, checked at once and reported together.
+
+The YAML, the spec (every stage's plugins, configs and settings), the input paths (a path-like input
+that does not exist is an error, not a hub id) and every row of the local JSONL datasets the stages
+read (valid JSON, the fields the stage needs). `alignflow validate` and `alignflow run` call this
+before Prefect's server or any model starts; it imports neither Prefect nor MLflow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from alignflow.core.data import check_row
+from alignflow.core.errors import SpecError
+from alignflow.core.spec import PipelineSpec, StageSpec, parse_spec
+from alignflow.flows.digest import resolve_input
+from alignflow.flows.overrides import apply_overrides
+
+SHOWN_PER_FILE = 10  # bad lines listed per file; the rest are counted
+DATASET_SCHEMA = {"sft": "sft", "reward_model": "pairwise", "prm": "steps", "rl": "prompt_answer",
+                  "rejection_sampling": "prompt_answer", "step_labels": "prompt_answer",
+                  "evaluate": "prompt_answer"}
+
+
+def read_yaml(path: Path):
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such pipeline file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+
+
+def dataset_schema(stage: StageSpec, plugins) -> str | None:
+    """The row schema a stage's `dataset` input must hold; None for `select` (any JSON objects)."""
+    if stage.kind == "preference":
+        algo = plugins.algorithms.get(stage.algorithm.name)
+        return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
+    return DATASET_SCHEMA.get(stage.kind)
+
+
+def jsonl_problems(path: Path, schema: str | None) -> list[str]:
+    """`file:line: problem` for each bad row (the first SHOWN_PER_FILE, then a count); no rows is one."""
+    import json
+
+    problems, bad, rows = [], 0, 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            rows += 1
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                problem = f"invalid JSON: {exc.msg} (column {exc.colno})"
+            else:
+                problem = check_row(row, schema) if schema else (
+                    None if isinstance(row, dict) else f"expected a JSON object, got {type(row).__name__}")
+            if problem:
+                bad += 1
+                if bad <= SHOWN_PER_FILE:
+                    problems.append(f"{path}:{line_no}: {problem}")
+    if bad > SHOWN_PER_FILE:
+        problems.append(f"{path}: {bad - SHOWN_PER_FILE} more bad lines")
+    if rows == 0:
+        problems.append(f"{path}: empty dataset: no rows")
+    return problems
+
+
+def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
+    """Missing path-like inputs and bad rows of local JSONL datasets, over every stage."""
+    problems, checked = [], set()
+    for name in spec.order():
+        stage = spec.stages[name]
+        references = stage.references()
+        for field, value in sorted(stage.inputs.items()):
+            if field in references:
+                continue
+            try:
+                resolved = resolve_input(value, project)
+            except SpecError as exc:
+                problems.append(f"stage {name!r}, inputs.{field}: {exc}")
+                continue
+            if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
+                continue
+            schema = dataset_schema(stage, plugins) if field == "dataset" else None
+            if (resolved, schema) not in checked:
+                checked.add((resolved, schema))
+                problems += [f"stage {name!r}, inputs.{field}: {p}" for p in jsonl_problems(resolved, schema)]
+    return problems
+
+
+def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
+                   plugins=None) -> PipelineSpec:
+    """The validated spec, or one SpecError listing every problem found."""
+    if plugins is None:
+        from alignflow.core.plugins import get_plugins
+
+        plugins = get_plugins()
+    spec = parse_spec(apply_overrides(read_yaml(Path(pipeline)), list(overrides)), str(pipeline), plugins)
+    problems = input_problems(spec, project, plugins)
+    if problems:
+        raise SpecError(f"{pipeline}: {len(problems)} problem{'s' if len(problems) > 1 else ''} found before any "
+                        "compute:\n" + "\n".join(f"  {p}" for p in problems))
+    return spec

@@ -1,0 +1,110 @@
+"""Everything checkable before compute is reported at once, by `validate` and by `run` before Prefect starts."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from alignflow.core.errors import SpecError
+from alignflow.flows.preflight import check_pipeline
+
+ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
+
+PIPELINE = """
+name: checks
+stages:
+  sft:
+    kind: sft
+    inputs: {model: ./base, dataset: sft.jsonl}
+    algorithm: sft
+  rl:
+    kind: rl
+    inputs: {model: "stage:sft", dataset: rl.jsonl}
+    algorithm: grpo
+    rewards: [math_accuracy]
+  sample:
+    kind: rejection_sampling
+    inputs: {model: models/my-sft, dataset: rl.jsonl}
+    rewards: [math_accuracy]
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "models").mkdir()  # so `models/my-sft` is a missing local folder, not a hub id
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    rows = ['{"prompt": "1+1", "answer": "2"}', '{"prompt": "2+2"}', "not json", '{"prompt": 3, "answer": "x"}']
+    (tmp_path / "rl.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "p.yaml").write_text(PIPELINE)
+    return tmp_path
+
+
+def problems(project, *sets) -> str:
+    with pytest.raises(SpecError) as info:
+        check_pipeline(project / "p.yaml", list(sets), project)
+    return str(info.value)
+
+
+def test_inputs_and_every_bad_row_are_listed_together(project):
+    msg = problems(project)
+    assert "4 problems found before any compute" in msg
+    assert "stage 'sample', inputs.model: input 'models/my-sft': no such file or folder" in msg
+    rl = project / "rl.jsonl"
+    assert f"{rl}:2: field 'answer': missing" in msg
+    assert f"{rl}:3: invalid JSON" in msg
+    assert f"{rl}:4: field 'prompt': expected str, got int" in msg
+
+
+def test_bad_lines_are_capped_per_file(project):
+    (project / "rl.jsonl").write_text("x\n" * 25)
+    msg = problems(project, "sample.inputs.model=./base")
+    assert msg.count("invalid JSON") == 10 and "15 more bad lines" in msg
+
+
+def test_settings_ranges_of_every_stage_at_once(project):
+    msg = problems(project, "sft.settings.lr=0", "rl.settings.max_steps=-5",
+                   "sample.settings.n=0")
+    assert "3 stages have problems" in msg
+    assert "stage 'sft', settings.lr: 0 would train nothing" in msg
+    assert "stage 'rl', settings.max_steps: Input should be greater than or equal to 1" in msg
+    assert "stage 'sample', settings.n" in msg
+    assert "micro_batch_size=32" in problems(project, "sft.settings.batch_size=30",
+                                             "sft.settings.micro_batch_size=32")
+    assert "must divide the rollout, prompts_per_step x group_size = 128" in problems(
+        project, "rl.settings.batch_size=30")
+    assert "settings.lr: Input should be greater than or equal to 0" in problems(project, "sft.settings.lr=-2e-3")
+
+
+def test_a_hub_id_is_recognised_by_its_form(project):
+    from alignflow.flows.digest import resolve_input
+
+    assert resolve_input("Qwen/Qwen2.5-0.5B", project) == "Qwen/Qwen2.5-0.5B"
+    assert resolve_input("gpt2", project) == "gpt2"
+    for local in ["models/my-sft", "a/b/c", "./x", "data.jsonl", "bad name"]:
+        with pytest.raises(SpecError, match="no such file or folder"):
+            resolve_input(local, project)
+
+
+def test_the_cli_reports_yaml_and_input_errors_before_prefect_starts(project):
+    (project / "broken.yaml").write_text("name: x\nstages:\n  a: [\n")
+    done = subprocess.run([ALIGNFLOW, "run", "broken.yaml"], cwd=project, capture_output=True, text=True)
+    assert done.returncode == 1 and "broken.yaml:4:1: not valid YAML" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
+    start = time.monotonic()
+    done = subprocess.run([ALIGNFLOW, "run", "p.yaml"], cwd=project, capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "4 problems found before any compute" in " ".join(out.split())
+    assert "prefect" not in out.lower() and not (project / "mlflow.db").exists()  # nothing started
+    print(f"four input problems reported in {time.monotonic() - start:.1f} s")
+    valid = subprocess.run([ALIGNFLOW, "validate", "p.yaml"], cwd=project, capture_output=True, text=True)
+    assert valid.returncode == 1 and "invalid JSON" in valid.stdout + valid.stderr
+
+
+def test_a_valid_pipeline_passes(project):
+    (project / "rl.jsonl").write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
+    spec = check_pipeline(project / "p.yaml", ["sample.inputs.model=./base"], project)
+    assert set(spec.stages) == {"sft", "rl", "sample"}
