@@ -113,6 +113,10 @@ def cmd_run(args) -> int:
     from alignflow.flows.preflight import check_pipeline
 
     check_pipeline(Path(args.pipeline), args.set, Path.cwd())  # before Prefect, MLflow or a model starts
+    from alignflow.flows import shutdown
+
+    shutdown.install_handlers()  # SIGINT/SIGTERM: children stopped, runs closed, Prefect's server stopped
+    shutdown.start_watchdog()  # SIGKILL: what this process leaves running is stopped after it
     from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
     from alignflow.flows.pipeline import run_pipeline
     from alignflow.flows.report import write_curves, write_metrics

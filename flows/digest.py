@@ -7,6 +7,7 @@ enter through their own digests, so a change reaches exactly a stage and its des
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.metadata
 import inspect
@@ -150,6 +151,22 @@ def code_hash(module_name: str, package: str = "alignflow.") -> str:
     return _hash_modules(_closure(module_name, lambda dep: dep.startswith(package))[0])
 
 
+def _imported_tops(module_name: str) -> set[str]:
+    """Top-level names of the absolute imports in a module's source, wherever they are made."""
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    try:
+        tree = ast.parse(Path(path).read_text()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        tree = None
+    tops = set()
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Import):
+            tops |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops.add(node.module.partition(".")[0])
+    return tops
+
+
 @lru_cache(maxsize=1)
 def _distributions_of() -> dict[str, list[str]]:
     return importlib.metadata.packages_distributions()
@@ -163,7 +180,8 @@ def plugin_code(obj: Any, distribution: str | None = None) -> dict:
     mapping = _distributions_of()
     own = {module.partition(".")[0], "alignflow"}
     own |= {top for top, dists in mapping.items() if distribution and distribution in dists}
-    seen, outside = _closure(module, lambda dep: dep.partition(".")[0] in own)
+    seen, _ = _closure(module, lambda dep: dep.partition(".")[0] in own)
+    outside = {top for name in seen for top in _imported_tops(name)} - own  # static: the same in any process
     imports = {}
     for top in sorted(outside - set(sys.stdlib_module_names) - {"builtins"}):
         for dist in mapping.get(top, []):

@@ -19,6 +19,7 @@ from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
 from alignflow.core.spec import PipelineSpec, parse_spec
+from alignflow.flows import shutdown
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.digest import data_version
 from alignflow.flows.execute import StageOutcome, execute_stage, requested_processes
@@ -113,6 +114,7 @@ def start_tracking(session: Session) -> str:
 def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: str = ".",
                   artifacts: str | None = None) -> PipelineReport:
     """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants."""
+    shutdown.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
     session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
                            Path(artifacts).resolve() if artifacts else None)
     mlflow_run_id = start_tracking(session)

@@ -16,6 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from alignflow.flows import shutdown
+
 PARENT_TAG = "mlflow.parentRunId"
 MAX_KEY_CHARS = 250  # MLflow's limit on metric, param and tag keys
 
@@ -79,8 +81,10 @@ class Tracker:
 
     def start_pipeline(self, name: str, params: dict, tags: dict[str, str], files: dict[str, str]) -> str:
         """Open the parent run; `files` {artifact name: text} records the spec and data.dvc."""
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=tags)
+        shutdown.close_dead_runs(self.client, self.experiment_id)  # runs a killed attempt left RUNNING
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **shutdown.owner_tags()})
         self.parent_id = run.info.run_id
+        shutdown.opened(self.client, self.parent_id)
         self._log(self.parent_id, params=flatten(params))
         for artifact, text in files.items():
             self.client.log_text(self.parent_id, text, artifact)
@@ -89,11 +93,13 @@ class Tracker:
     def end_pipeline(self, failed: bool, metrics: dict[str, float]) -> None:
         self._log(self.parent_id, metrics=metrics)
         self.client.set_terminated(self.parent_id, "FAILED" if failed else "FINISHED")
+        shutdown.closed(self.parent_id)
 
     def stage_run(self, stage: str, params: dict, tags: dict[str, str]) -> StageRun:
         """A nested run under the parent for one stage."""
         run = self.client.create_run(self.experiment_id, run_name=stage,
-                                     tags={**tags, PARENT_TAG: self.parent_id})
+                                     tags={**tags, PARENT_TAG: self.parent_id, **shutdown.owner_tags()})
+        shutdown.opened(self.client, run.info.run_id)
         self._log(run.info.run_id, params=flatten(params))
         return StageRun(self, run.info.run_id)
 
@@ -149,6 +155,7 @@ class StageRun:
         if curves:
             self._log_plots(curves)
         self.tracker.client.set_terminated(self.run_id, "FAILED" if status == "failed" else "FINISHED")
+        shutdown.closed(self.run_id)
 
     def _log_plots(self, curves: dict[str, list[tuple[int, float]]]) -> None:
         import matplotlib

@@ -1,0 +1,229 @@
+"""How a run ends when it is stopped: nothing left running, nothing left RUNNING.
+
+- SIGINT / SIGTERM (`install_handlers`): the run's child processes (ranks, stage children, engines)
+  get SIGTERM, then SIGKILL after a grace period; the MLflow runs it opened are closed KILLED; its
+  Prefect flow run and running task runs are set Crashed; Prefect's temporary server is stopped; the
+  process exits 128 + the signal. Checkpoints are written atomically, so the rerun resumes.
+- SIGKILL, which no handler sees (`start_watchdog`): a small process watches the run's process tree
+  and, when the run is gone, stops what it left (Prefect's temporary server, ranks).
+- A run that died either way leaves its MLflow runs RUNNING; the next run in the project closes
+  those whose process is gone (`close_dead_runs`) and sets their Prefect flow run Crashed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 5.0
+_open_runs: dict[str, object] = {}  # MLflow run id -> the client that opened it
+_flow_run_id: list[str] = []
+_installed: list[bool] = []
+_watchdog: list[int] = []  # set by the CLI; a library caller keeps its own signal handling
+
+
+def process_start(pid: int) -> str | None:
+    """The live process's start time in clock ticks since boot (with the pid: a process's identity);
+    None once it has exited (a zombie included)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags that let a later run tell whether the process that opened an MLflow run still lives."""
+    return {"alignflow.host": socket.gethostname(), "alignflow.pid": str(os.getpid()),
+            "alignflow.pid_start": str(process_start(os.getpid()))}
+
+
+def opened(client, run_id: str) -> None:
+    _open_runs[run_id] = client
+
+
+def closed(run_id: str) -> None:
+    _open_runs.pop(run_id, None)
+
+
+def running_flow(flow_run_id: str) -> None:
+    """Remember the flow run to set Crashed; take SIGTERM back from Prefect's engine, whose handler
+    crashes the flow but then waits for the running stage threads to finish."""
+    _flow_run_id[:] = [flow_run_id]
+    if _installed:
+        install_handlers()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children first), from one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def stop_processes(pids: list[int], grace: float = GRACE_S) -> None:
+    """SIGTERM each, then SIGKILL what is still there after `grace` seconds."""
+    started = {p: process_start(p) for p in pids}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p, start in started.items():
+            if start is not None and process_start(p) == start:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
+        while time.monotonic() < deadline and any(process_start(p) == s for p, s in started.items() if s):
+            time.sleep(0.05)
+
+
+def _prefect_servers() -> list:
+    try:
+        from prefect.server.api.server import SubprocessASGIServer
+    except ImportError:
+        return []
+    return [s for s in list(SubprocessASGIServer._instances.values()) if getattr(s, "server_process", None)]
+
+
+def mark_crashed(flow_run_id: str, message: str) -> None:
+    """The flow run and its running task runs set Crashed on the Prefect server."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [UUID(flow_run_id)]}))
+        for run in runs:
+            if run.state is not None and run.state.type.value in ("RUNNING", "PENDING"):
+                client.set_task_run_state(run.id, Crashed(message=message), force=True)
+        client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
+
+
+def _stop(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
+    sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
+    spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
+    stop_processes([p for p in descendants(os.getpid()) if p not in spared])
+    for run_id, client in list(_open_runs.items()):
+        try:
+            client.set_tag(run_id, "alignflow.status", "killed")
+            client.set_terminated(run_id, "KILLED")
+        except Exception as exc:  # the store may be locked by a thread that was mid-write
+            log.warning("could not close MLflow run %s: %s", run_id, exc)
+    for flow_run_id in _flow_run_id:
+        try:
+            mark_crashed(flow_run_id, f"stopped by {name}")
+        except Exception as exc:
+            log.warning("could not mark flow run %s crashed: %s", flow_run_id, exc)
+    for server in _prefect_servers():
+        server.stop()
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def install_handlers() -> None:
+    """SIGINT and SIGTERM stop the run as the module docstring says (main thread only)."""
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stop)
+    except ValueError:  # not the main thread: the process's owner handles signals
+        return
+    _installed.append(True)
+
+
+WATCHDOG = r"""
+import os, signal, sys, time
+pid, start = int(sys.argv[1]), sys.argv[2]
+def stat(p):
+    try:
+        fields = open("/proc/%s/stat" % p).read().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[19], fields[0]
+    except (OSError, IndexError, ValueError):
+        return None
+def alive(p, s):
+    got = stat(p)
+    return got is not None and got[1] == s and got[2] != "Z"
+known, me = {}, os.getpid()
+while alive(pid, start):
+    parent = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            got = stat(e)
+            if got:
+                parent[int(e)] = got
+    for p in parent:
+        q = p
+        while q in parent and q != pid and q > 1:
+            q = parent[q][0]
+        if q == pid and p != me:
+            known[p] = parent[p][1]
+    time.sleep(1.0)
+for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
+    for p, s in known.items():
+        if alive(p, s):
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(alive(p, s) for p, s in known.items()):
+        time.sleep(0.1)
+"""
+
+
+def start_watchdog() -> subprocess.Popen:
+    """A process that outlives this one only to stop what this one leaves running if it is killed."""
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()),
+                             str(process_start(os.getpid()))],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    _watchdog.append(proc.pid)
+    return proc
+
+
+def close_dead_runs(client, experiment_id: str) -> list[str]:
+    """Close RUNNING MLflow runs of this host whose process is gone (FAILED, tagged crashed), and set
+    the Prefect flow run of each such parent run Crashed. Returns the closed run ids."""
+    host = socket.gethostname()
+    closed_ids = []
+    for run in client.search_runs([experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                  max_results=1000):
+        tags = run.data.tags
+        pid = tags.get("alignflow.pid")
+        if tags.get("alignflow.host") != host or not (pid or "").isdigit():
+            continue
+        if process_start(int(pid)) == tags.get("alignflow.pid_start"):
+            continue  # still running (another run in this project)
+        client.set_tag(run.info.run_id, "alignflow.status", "crashed")
+        client.set_terminated(run.info.run_id, "FAILED")
+        closed_ids.append(run.info.run_id)
+        flow_run_id = tags.get("prefect.flow_run_id")
+        if flow_run_id:
+            try:
+                mark_crashed(flow_run_id, "its process died")
+            except Exception as exc:
+                log.warning("could not mark flow run %s crashed: %s", flow_run_id, exc)
+    if closed_ids:
+        log.warning("closed %d MLflow runs left RUNNING by a run that died", len(closed_ids))
+    return closed_ids
