@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -54,18 +55,31 @@ class PipelineReport:
 
     def render(self, console: Console) -> None:
         """The stage table, the errors, and how to open both UIs."""
-        table = Table(title=f"{self.pipeline}: {len(self.stages)} stages in {self.seconds:.1f} s")
-        for col in ("stage", "kind", "status", "seconds", "headline", "artifact"):
+        table = Table(title=f"{self.pipeline}: {len(self.stages)} stages in {self.seconds:.1f} s",
+                      box=box.SIMPLE_HEAD)
+        for col in ("stage", "kind", "status", "seconds", "headline"):
             table.add_column(col, overflow="fold")
         for s in self.stages:
             headline = f"{s.headline}={s.metrics[s.headline]:.4g}" if s.headline else ""
-            table.add_row(s.name, s.kind, f"[{STATUS_STYLE[s.status]}]{s.status}[/]",
-                          f"{s.seconds:.2f}", headline, s.artifact or "")
+            table.add_row(s.name, s.kind, f"[{STATUS_STYLE[s.status]}]{s.status}[/]", f"{s.seconds:.1f}", headline)
         console.print(table)
+        for s in self.stages:  # one line each, copyable
+            if s.artifact:
+                console.print(f"  {s.name}: {shown_path(s.artifact)}", highlight=False, soft_wrap=True)
         for s in self.failed:
             console.print(f"[bold red]{s.name} failed:[/] {escape(str(s.error))}", highlight=False)
         console.print(f"MLflow run {self.mlflow_run_id}: mlflow ui --backend-store-uri {self.tracking_uri}")
         console.print(f"Prefect flow run {self.run_id}: prefect server start  (then open http://127.0.0.1:4200)")
+
+
+def shown_path(path: str | None) -> str:
+    """An artifact folder relative to the working directory when it is under it: a table row, not four."""
+    if not path:
+        return ""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
 
 
 def json_safe(obj):

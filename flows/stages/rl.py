@@ -205,7 +205,7 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
-    headline = "eval/accuracy" if "eval/accuracy" in final else None
+    headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
 
 

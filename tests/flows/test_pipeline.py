@@ -128,3 +128,16 @@ def test_a_plugin_that_raises_is_named_with_its_distribution(first, project, mon
     err = " ".join((captured.out + captured.err).replace("│", " ").split())
     assert code == 1
     assert "selector 'explode' (thirdparty-selectors 1.2): KeyError" in err, err[-2000:]
+
+
+def test_the_summary_fits_a_terminal(first, project, monkeypatch):
+    from rich.console import Console
+
+    monkeypatch.chdir(project)
+    console = Console(width=80, record=True, force_terminal=False)
+    first.render(console)
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if line.split()[:1] in (["a"], ["b"], ["c"], ["d"])]
+    assert len(rows) == len(first.stages)  # a table line per stage, not folded
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert f"  a: artifacts/a/{Path(first.stages[0].artifact).name}" in text
