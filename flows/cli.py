@@ -112,7 +112,7 @@ def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
     from alignflow.flows.preflight import check_pipeline
 
-    check_pipeline(Path(args.pipeline), args.set, Path.cwd())  # before Prefect, MLflow or a model starts
+    check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True)  # before Prefect or a model
     from alignflow.flows import shutdown
 
     shutdown.install_handlers()  # SIGINT/SIGTERM: children stopped, runs closed, Prefect's server stopped

@@ -152,7 +152,7 @@ def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path("."
     """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`)."""
     from alignflow.flows.preflight import check_pipeline
 
-    return check_pipeline(pipeline, overrides, project)
+    return check_pipeline(pipeline, overrides, project, regenerate=True)
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),

@@ -72,6 +72,16 @@ def jsonl_problems(path: Path, schema: str | None) -> list[str]:
     return problems
 
 
+def bundled(value: str, project: Path) -> bool:
+    """A bundled dataset (`data/<name>.jsonl`) that is missing: `alignflow run` writes it at the start."""
+    from alignflow.core.task import SIZES
+    from alignflow.flows.data import DATA_DIR
+
+    path = Path(value)
+    return path.parts[:1] == (DATA_DIR,) and path.name in {f"{n}.jsonl" for n in SIZES} \
+        and len(path.parts) == 2 and not (project / path).exists()
+
+
 def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
     """Missing path-like inputs and bad rows of local JSONL datasets, over every stage."""
     problems, checked = [], set()
@@ -79,7 +89,7 @@ def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
         stage = spec.stages[name]
         references = stage.references()
         for field, value in sorted(stage.inputs.items()):
-            if field in references:
+            if field in references or bundled(value, project):
                 continue
             try:
                 resolved = resolve_input(value, project)
@@ -96,13 +106,19 @@ def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
 
 
 def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                   plugins=None) -> PipelineSpec:
-    """The validated spec, or one SpecError listing every problem found."""
+                   plugins=None, regenerate: bool = False) -> PipelineSpec:
+    """The validated spec, or one SpecError listing every problem found. `regenerate`: write the
+    bundled datasets under `data/` first when a stage reads them and they are missing (as a run does);
+    without it they are taken as present."""
     if plugins is None:
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
     spec = parse_spec(apply_overrides(read_yaml(Path(pipeline)), list(overrides)), str(pipeline), plugins)
+    if regenerate:  # what `alignflow run` would write at its start, written now so its rows are checked too
+        from alignflow.flows.data import ensure_data
+
+        ensure_data(spec, project)
     problems = input_problems(spec, project, plugins)
     if problems:
         raise SpecError(f"{pipeline}: {len(problems)} problem{'s' if len(problems) > 1 else ''} found before any "

@@ -108,3 +108,15 @@ def test_a_valid_pipeline_passes(project):
     (project / "rl.jsonl").write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
     spec = check_pipeline(project / "p.yaml", ["sample.inputs.model=./base"], project)
     assert set(spec.stages) == {"sft", "rl", "sample"}
+
+
+def test_bundled_datasets_that_a_run_writes_are_not_missing(tmp_path):
+    (tmp_path / "p.yaml").write_text(PIPELINE.replace("sft.jsonl", "data/sft.jsonl").replace("rl.jsonl", "data/rl.jsonl")
+                                     .replace("models/my-sft", "builtin:tiny").replace("./base", "builtin:tiny"))
+    check_pipeline(tmp_path / "p.yaml", [], tmp_path)  # validate: taken as present, nothing written
+    assert not (tmp_path / "data").exists()
+    check_pipeline(tmp_path / "p.yaml", [], tmp_path, regenerate=True)  # run: written first, then checked
+    assert (tmp_path / "data" / "sft.jsonl").is_file() and (tmp_path / "data" / "rl.jsonl").is_file()
+    (tmp_path / "p.yaml").write_text(PIPELINE.replace("sft.jsonl", "data/mine.jsonl").replace("./base", "builtin:tiny"))
+    with pytest.raises(SpecError, match="data/mine.jsonl"):  # not one of the bundled files: missing
+        check_pipeline(tmp_path / "p.yaml", [], tmp_path)
