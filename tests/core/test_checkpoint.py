@@ -45,12 +45,17 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     # a process of its own: not the group this test process may already lead
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     killed = subprocess.Popen([*cmd, "--kill-after", "3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    reference = worker.run_here(tmp_path / "reference", steps=6)
-    killed.wait(timeout=120)
+    try:
+        reference = worker.run_here(tmp_path / "reference", steps=6)
+        killed.wait(timeout=600)
+    finally:  # never left running by a timeout
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()] == ["step-00000002"]
 
-    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)  # killed on timeout
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = torch.load(tmp_path / "killed" / "result.pt", weights_only=False)
     assert result["losses"] == reference["losses"][2:]  # steps 3..6, redone from step 2

@@ -47,9 +47,15 @@ def launch(world: int, out: Path, *args: str) -> list[subprocess.Popen]:
 
 
 def finish(procs: list[subprocess.Popen], out: Path) -> dict:
-    for p in procs:
-        _, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=600)  # generous: a loaded machine, not a hang, is the usual cause
+            assert p.returncode == 0, err[-3000:]
+    finally:  # a timed-out or failed rank never outlives the test
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return torch.load(out / "result.pt", weights_only=False)
 
 
