@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import importlib.metadata as md
 import logging
 import os
@@ -56,7 +58,7 @@ DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference", "rl
 RANK_DEPENDENT_KINDS = frozenset({"rl"})
 NPROC_ENV = "ALIGNFLOW_NPROC"
 _exclusive = threading.Lock()
-_slots: dict[int, threading.Semaphore] = {}
+_slots: dict[int, "OrderedSlots"] = {}
 _slots_lock = threading.Lock()
 _user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
@@ -95,12 +97,40 @@ def data_parallel_ranks(kind: str) -> int:
     return ranks
 
 
-def _slot(n: int) -> threading.Semaphore:
+class OrderedSlots:
+    """`n` stage slots; of the stages waiting for one, the first in the pipeline's order gets it. A
+    stage waits `SETTLE_S` before taking a free slot, so that siblings made ready by the same upstream
+    stage all queue first (an evaluation listed before a long RL stage then runs before it)."""
+
+    SETTLE_S = 0.25
+
+    def __init__(self, n: int):
+        self.free, self.waiting, self.cond = n, [], threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self, rank: tuple):
+        with self.cond:
+            heapq.heappush(self.waiting, rank)
+            self.cond.wait(self.SETTLE_S)
+            while not (self.free > 0 and self.waiting[0] == rank):
+                self.cond.wait()
+            heapq.heappop(self.waiting)
+            self.free -= 1
+            self.cond.notify_all()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.free += 1
+                self.cond.notify_all()
+
+
+def _slot(n: int) -> OrderedSlots:
     with _slots_lock:
-        return _slots.setdefault(n, threading.Semaphore(n))
+        return _slots.setdefault(n, OrderedSlots(n))
 
 
-def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResult:
+def call_runner(kind: str, ctx: StageContext, started: list[float], order: int = 0) -> StageResult:
     """`RUNNERS[kind](ctx)` once one of `parallel_stages()` slots is free: here when this process is
     free for it, else in a child process. Either way the stage gets the same share of this process's
     torch threads, so where it ran never changes its numbers. Appends the time the runner started
@@ -110,7 +140,7 @@ def call_runner(kind: str, ctx: StageContext, started: list[float]) -> StageResu
         return RUNNERS[kind](ctx)
     n = parallel_stages()
     ranks = data_parallel_ranks(kind)
-    with _slot(n):
+    with _slot(n).held((order, ctx.name)):
         if ranks > 1:
             if not can_run_in_child(ctx.plugins):
                 raise SpecError(f"stage {ctx.name!r}: {NPROC_ENV}={ranks} starts one process per rank, which "
@@ -248,7 +278,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
     resumed = ctx.resuming()
     clock = []
     try:
-        result = call_runner(plan.kind, ctx, clock)
+        result = call_runner(plan.kind, ctx, clock, plan.order)
         started = clock[0]
         refuse_empty(ctx, result)
     except Exception as exc:

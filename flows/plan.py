@@ -24,6 +24,7 @@ class StagePlan:
     versions: dict
     data_version: str | None
     seed: int
+    order: int = 0  # position in the pipeline's dependency order: who gets a free stage slot first
 
     @property
     def kind(self) -> str:
@@ -66,5 +67,5 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, Stage
             if stage.kind in RANK_DEPENDENT_KINDS and (ranks := data_parallel_ranks(stage.kind)) > 1:
                 parts["processes"] = ranks  # absent for one process, so one-process digests stay as they were
             plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
-                                    config, versions, data_version, seed)
+                                    config, versions, data_version, seed, len(plans))
     return plans

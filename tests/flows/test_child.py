@@ -209,3 +209,29 @@ def test_nproc_applies_to_the_data_parallel_stage_kinds_only(monkeypatch):
         data_parallel_ranks("sft")
     monkeypatch.delenv(NPROC_ENV)
     assert data_parallel_ranks("sft") == 1
+
+
+def test_a_free_stage_slot_goes_to_the_waiting_stage_first_in_the_pipeline_order():
+    """Siblings made ready at once (an evaluation and a long RL stage after the cold start) queue
+    before the slot is taken; the one first in the dependency order runs first."""
+    import threading
+
+    from alignflow.flows.execute import OrderedSlots
+
+    slots, started, gate = OrderedSlots(1), [], threading.Event()
+
+    def stage(order: int, name: str) -> None:
+        with slots.held((order, name)):
+            started.append(name)
+            gate.wait(5)
+
+    grpo = threading.Thread(target=stage, args=(2, "grpo"))
+    grpo.start()  # the RL stage asks first ...
+    time.sleep(0.05)
+    evaluation = threading.Thread(target=stage, args=(1, "eval_sft"))
+    evaluation.start()  # ... the evaluation, first in the order, a moment later
+    time.sleep(OrderedSlots.SETTLE_S + 0.5)
+    gate.set()
+    grpo.join(10)
+    evaluation.join(10)
+    assert started == ["eval_sft", "grpo"]
