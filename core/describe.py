@@ -22,15 +22,25 @@ def field_comments(config) -> dict[str, str]:
     plugins document a field."""
     comments: dict[str, str] = {}
     for cls in config.__mro__:
-        try:
-            source = inspect.getsource(cls)
-            tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-        except (OSError, TypeError, tokenize.TokenError, IndentationError):
-            continue
-        for tok in tokens:
-            head = tok.line.strip().split(":", 1)[0]
-            if tok.type == tokenize.COMMENT and head.isidentifier() and tok.start[1] > tok.line.index(head):
-                comments.setdefault(head, tok.string.lstrip("#").strip())
+        if cls.__module__.startswith("pydantic") or cls is object:
+            continue  # pydantic's own source has comments on lines that look like fields
+        for name, text in line_comments(cls).items():
+            comments.setdefault(name, text)
+    return comments
+
+
+def line_comments(cls) -> dict[str, str]:
+    """Trailing `# comments` of the field lines in one class's own source (not its bases')."""
+    try:
+        source = inspect.getsource(cls)
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (OSError, TypeError, tokenize.TokenError, IndentationError):
+        return {}
+    comments: dict[str, str] = {}
+    for tok in tokens:
+        head = tok.line.strip().split(":", 1)[0]
+        if tok.type == tokenize.COMMENT and head.isidentifier() and tok.start[1] > tok.line.index(head):
+            comments.setdefault(head, tok.string.lstrip("#").strip())
     return comments
 
 
@@ -92,3 +102,58 @@ def describe(entry: Entry) -> dict:
 
 def default_text(value: Any) -> str:
     return value if isinstance(value, str) and value == "required" else json.dumps(value)
+
+
+# The settings models of docs/CONTRACTS.md, in its order: each stage kind's, then the nested blocks.
+SETTINGS_MODELS = ("TrainSettings", "RLSettings", "PRMSettings", "SelectSettings", "SamplingSettings",
+                   "SampleSettings", "StepLabelSettings", "EvaluateSettings", "GenerationSettings", "ModelOptions")
+
+
+def _cell(text: str, code: bool = False) -> str:
+    text = text.replace("|", "\\|")
+    return f"`{text}`" if code and text else text
+
+
+def _names(items) -> str:
+    items = [f"`{x}`" for x in items]
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def settings_tables() -> str:
+    """Markdown tables of the stage settings models (`alignflow.core.settings`): field, type (with
+    bounds), default (as JSON) and description (the Field's description, else the trailing comment of
+    the field's own line). A subclass lists only the fields it adds or redefines."""
+    from alignflow.core import settings
+
+    models = [getattr(settings, name) for name in SETTINGS_MODELS]
+    blocks = []
+    for model in models:
+        base = model.__bases__[0]
+        kinds = [kind for kind, m in settings.SETTINGS.items() if m is model]
+        nested = sorted({name for m in models for name, f in m.model_fields.items() if f.annotation is model})
+        children = [m.__name__ for m in models if m.__bases__[0] is model]
+        about = []
+        if kinds:
+            about.append(f"Settings of {_names(kinds)} stages.")
+        if nested:
+            about.append(f"The {_names(nested)} blocks.")
+        if children:
+            about.append(f"The base of {_names(children)}.")
+        doc = model.__dict__.get("__doc__")
+        if doc:
+            about.append(" ".join(doc.split()))
+        own = list(inspect.get_annotations(model))
+        if base in models:
+            about.append(f"Every `{base.__name__}` field, and these (new or redefined):")
+        comments = line_comments(model)
+        defaults = model().model_dump(mode="json")
+        rows = ["| field | type | default | description |", "|---|---|---|---|"]
+        for name in own:
+            field = model.model_fields[name]
+            bounds = _bounds(field)
+            kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
+            default = "required" if field.is_required() else json.dumps(defaults[name])
+            description = field.description or comments.get(name, "")
+            rows.append(f"| `{name}` | {_cell(kind, True)} | {_cell(default, True)} | {_cell(description)} |")
+        blocks.append(f"**{model.__name__}**: " + " ".join(about) + "\n\n" + "\n".join(rows))
+    return "\n\n".join(blocks)

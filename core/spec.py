@@ -240,5 +240,8 @@ def _check_settings(where: str, stage: StageSpec) -> None:
         if rollout % size:
             raise SpecError(f"{where}, settings.batch_size: {size} must divide the rollout, "
                             f"prompts_per_step x group_size = {rollout}")
+        if size % s.group_size:  # an optimizer step's minibatch is whole groups: else some are empty
+            raise SpecError(f"{where}, settings.batch_size: {size} must be a multiple of group_size={s.group_size} "
+                            "(each optimizer step takes whole groups)")
     if size % micro:
         raise SpecError(f"{where}, settings.batch_size: {size} must be a multiple of micro_batch_size={micro}")

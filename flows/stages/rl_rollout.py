@@ -7,7 +7,7 @@ regenerates exactly the rollouts an uninterrupted run would.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -34,12 +34,15 @@ class Samples:
     truncated: list[bool]
     values: dict[str, list[float | None]]  # each reward's raw scores
     steps: list[list[tuple[int, float]]] | None = None  # process reward: (completion token, reward) per step
+    counts: dict[str, float] = field(default_factory=dict)  # reward/NAME/failed and rewards' own counts
 
     def __len__(self) -> int:
         return len(self.group)
 
     def take(self, rows: list[int]) -> "Samples":
         def pick(v):
+            if v is self.counts:
+                return dict(v)  # counts of the whole round, not per sample
             if isinstance(v, dict):
                 return {k: pick(x) for k, x in v.items()}
             return None if v is None else [v[i] for i in rows]
@@ -55,6 +58,8 @@ class Samples:
                 return None
             if name == "values":
                 return {k: sum((p.values[k] for p in parts), []) for k in first.values}
+            if name == "counts":
+                return {k: sum(p.counts.get(k, 0.0) for p in parts) for k in {k for p in parts for k in p.counts}}
             return sum((getattr(p, name) for p in parts), [])
 
         return Samples(**{f.name: cat(f.name) for f in fields(first)})
@@ -116,6 +121,8 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
         prompt_ids=[prompts[i] for i in g.prompt_index], completion_ids=g.completion_ids,
         logprobs=g.logprobs, group=[groups[i] for i in g.prompt_index], reward=scored.rewards.total,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
+        counts={k: v for k, v in scored.rewards.metrics.items()
+                if k.startswith("reward/") and not k.endswith(("/mean", "/none"))},
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 
@@ -224,6 +231,7 @@ def rollout_metrics(kept: Samples, drawn: Samples) -> dict[str, float]:
     for name, values in drawn.values.items():
         metrics.update(_mean_std(f"reward/{name}", [v for v in values if v is not None]))
         metrics[f"reward/{name}/none"] = float(sum(v is None for v in values))
+    metrics.update(drawn.counts)  # e.g. reward/code_exec/timeout, reward/NAME/failed
     return metrics
 
 

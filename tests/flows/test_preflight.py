@@ -77,6 +77,8 @@ def test_settings_ranges_of_every_stage_at_once(project):
     assert "must divide the rollout, prompts_per_step x group_size = 128" in problems(
         project, "rl.settings.batch_size=30")
     assert "settings.lr: Input should be greater than or equal to 0" in problems(project, "sft.settings.lr=-2e-3")
+    assert "must be a multiple of group_size=8 (each optimizer step takes whole groups)" in problems(
+        project, "rl.settings.batch_size=4")
 
 
 def test_a_hub_id_is_recognised_by_its_form(project):

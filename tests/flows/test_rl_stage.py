@@ -350,3 +350,17 @@ def test_minibatches_hold_whole_groups_in_a_seeded_order():
     again = minibatches(group, 2, torch.Generator().manual_seed(0))
     assert all(torch.equal(a, b) for a, b in zip(parts, again))
 
+
+
+def test_reward_counts_reach_the_step_metrics():
+    """A reward's own counts (code_exec's timeouts) and failed samples are logged by rl steps too."""
+    from alignflow.flows.stages.rl_rollout import Samples, rollout_metrics
+
+    def part(counts):
+        return Samples([[1], [2]], [[5], [6]], None, [0, 0], [1.0, 0.0], [True, False], [False, False],
+                       {"code_exec": [1.0, 0.0]}, counts=counts)
+
+    drawn = Samples.join([part({"reward/code_exec/timeout": 1.0}), part({"reward/code_exec/timeout": 2.0,
+                                                                        "reward/code_exec/failed": 1.0})])
+    metrics = rollout_metrics(drawn.take([0, 1]), drawn)
+    assert metrics["reward/code_exec/timeout"] == 3.0 and metrics["reward/code_exec/failed"] == 1.0
