@@ -115,17 +115,17 @@ def cmd_run(args) -> int:
     check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True)  # before Prefect or a model
     from alignflow.flows import shutdown
 
-    shutdown.install_handlers()  # SIGINT/SIGTERM: children stopped, runs closed, Prefect's server stopped
-    shutdown.start_watchdog()  # SIGKILL: what this process leaves running is stopped after it
-    from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
-    from alignflow.flows.pipeline import run_pipeline
+    with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
+        from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
+        from alignflow.flows.pipeline import run_pipeline
+
+        if args.parallel is not None:
+            os.environ[PARALLEL_ENV] = str(args.parallel)
+        if args.nproc is not None:
+            os.environ[NPROC_ENV] = str(args.nproc)
+        report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
     from alignflow.flows.report import write_curves, write_metrics
 
-    if args.parallel is not None:
-        os.environ[PARALLEL_ENV] = str(args.parallel)
-    if args.nproc is not None:
-        os.environ[NPROC_ENV] = str(args.nproc)
-    report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
     report.render(err_console if args.json else console)
     if args.metrics:
         write_metrics(report, args.metrics)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -142,14 +143,32 @@ def _stop(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
-def install_handlers() -> None:
-    """SIGINT and SIGTERM stop the run as the module docstring says (main thread only)."""
+def install_handlers() -> dict | None:
+    """SIGINT and SIGTERM stop the run as the module docstring says (main thread only); returns the
+    handlers they replaced, None off the main thread (the process's owner handles signals there)."""
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _stop)
-    except ValueError:  # not the main thread: the process's owner handles signals
-        return
-    _installed.append(True)
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:
+        return None
+    _installed[:] = [True]
+    return previous
+
+
+@contextlib.contextmanager
+def guarded():
+    """The handlers and the watchdog for the length of one run; both gone after it (a run called from
+    Python, as the tests do, leaves the process's own signal handling as it was)."""
+    previous = install_handlers()
+    watchdog = start_watchdog()
+    try:
+        yield
+    finally:
+        watchdog.terminate()
+        watchdog.wait()
+        _watchdog.clear()
+        _installed.clear()
+        for sig, handler in (previous or {}).items():
+            signal.signal(sig, handler)
 
 
 WATCHDOG = r"""
