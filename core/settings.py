@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from alignflow.core.contracts import PluginConfig
 
@@ -25,6 +25,14 @@ class ModelOptions(PluginConfig):
 
 def greedy() -> GenerationSettings:
     return GenerationSettings(temperature=0.0)
+
+
+def greedy_unless_said(value):
+    """A partial block of a greedy-by-default field stays greedy: `{max_new_tokens: 128}` must not
+    fall back to GenerationSettings' temperature 1.0."""
+    if isinstance(value, dict) and "temperature" not in value:
+        return {**value, "temperature": 0.0}
+    return value
 
 
 class TrainSettings(PluginConfig):
@@ -51,6 +59,8 @@ class TrainSettings(PluginConfig):
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training rows held out for the held-out loss
     eval_limit: int | None = Field(None, ge=1)  # eval_dataset prompts scored at the end (None: all)
     eval_generation: GenerationSettings = Field(default_factory=greedy)
+
+    _greedy_eval = field_validator("eval_generation", mode="before")(greedy_unless_said)
 
 
 class RLSettings(TrainSettings):
@@ -124,6 +134,7 @@ class EvaluateSettings(SamplingSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
     n: int = Field(1, ge=1)
     generation: GenerationSettings = Field(default_factory=greedy)
+    _greedy = field_validator("generation", mode="before")(greedy_unless_said)
     limit: int | None = Field(None, ge=1)  # score only the first `limit` prompts
     group_by: str | None = "level"  # a column to report accuracy per value of, when rows have it
     # best-of-n: for each reward named here, the accuracy of the completion it scores highest per prompt

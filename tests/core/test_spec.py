@@ -182,3 +182,12 @@ def test_invalid_yaml_and_missing_file(tmp_path, plugins):
         load_spec(write(tmp_path, "name: [unclosed"), plugins)
     with pytest.raises(SpecError, match="no such pipeline file"):
         load_spec(tmp_path / "nope.yaml", plugins)
+
+
+def test_a_partial_generation_block_of_a_greedy_default_stays_greedy():
+    from alignflow.core.settings import EvaluateSettings, RLSettings, TrainSettings
+
+    assert TrainSettings(eval_generation={"max_new_tokens": 128}).eval_generation.temperature == 0.0
+    assert EvaluateSettings(generation={"max_new_tokens": 9}).generation.temperature == 0.0
+    assert EvaluateSettings(generation={"temperature": 0.7}).generation.temperature == 0.7  # said: kept
+    assert RLSettings(generation={"max_new_tokens": 8}).generation.temperature == 1.0  # rollouts sample
