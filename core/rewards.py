@@ -13,6 +13,7 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.spec import validate_config
 
 log = logging.getLogger(__name__)
+_silent: set[str] = set()  # rewards already reported for a batch of only None
 
 
 class RewardError(AlignflowError):
@@ -161,9 +162,15 @@ def _check(reward: Reward, out: Any, n: int) -> list[float | None]:
 
 
 def _fail(reward: Reward, values: list, failed: int, first: BaseException | None) -> tuple[list, int]:
-    if values and all(v is None for v in values):
-        why = f": {type(first).__name__}: {first}" if first is not None else " (it returned None for all)"
-        raise RewardError(f"reward {reward.name!r} failed on every sample of a batch of {len(values)}{why}")
+    """A reward that raised on every sample stops the stage; one that had no opinion on any (returned
+    None for all, e.g. a code reward on a batch of math prompts) is only counted (`reward/NAME/none`)."""
+    if values and all(v is None for v in values) and first is not None:
+        raise RewardError(f"reward {reward.name!r} failed on every sample of a batch of {len(values)}: "
+                          f"{type(first).__name__}: {first}")
+    if values and all(v is None for v in values) and reward.name not in _silent:
+        _silent.add(reward.name)
+        log.warning("reward %r returned None (no opinion) for every sample of a batch of %d", reward.name,
+                    len(values))
     return values, failed
 
 

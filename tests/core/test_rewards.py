@@ -49,7 +49,8 @@ class Rewards:
     def register_rewards(self, register):
         for name, obj in [("exact", exact), ("picky", picky), ("always_raises", always_raises),
                           ("scaled", Scaled), ("slow_echo", slow_echo), ("wrong_length", lambda **kw: [1.0]),
-                          ("strings", lambda prompts, completions, **kw: ["1"] * len(completions))]:
+                          ("strings", lambda prompts, completions, **kw: ["1"] * len(completions)),
+                          ("no_opinion", lambda prompts, completions, **kw: [None] * len(completions))]:
             register(name, obj)
 
 
@@ -100,6 +101,13 @@ def test_a_reward_failing_on_every_sample_is_a_named_error(plugins):
     with pytest.raises(RewardError, match="'always_raises' failed on every sample.*backend down") as info:
         rs(["p", "p"], ["a", "b"], answer=["a", "b"])
     assert isinstance(info.value, AlignflowError)
+
+
+def test_no_opinion_on_a_whole_batch_is_counted_not_fatal(plugins):
+    rs = RewardSet.from_refs([("exact", 1.0), ("no_opinion", 1.0)], plugins)
+    out = rs(["p", "p"], ["a", "b"], answer=["a", "b"])
+    assert out.total == [1.0, 1.0] and out.values["no_opinion"] == [None, None]  # adds 0
+    assert out.metrics["reward/no_opinion/none"] == 2.0 and out.metrics["reward/no_opinion/failed"] == 0.0
 
 
 def test_contract_violations_are_errors_not_nones(plugins):
