@@ -30,7 +30,8 @@ def field_comments(config) -> dict[str, str]:
 
 
 def line_comments(cls) -> dict[str, str]:
-    """Trailing `# comments` of the field lines in one class's own source (not its bases')."""
+    """Each field's comment in one class's own source (not its bases'): the trailing `# comment` of its
+    line, else the block of `#` lines right above it."""
     try:
         source = inspect.getsource(cls)
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
@@ -41,6 +42,16 @@ def line_comments(cls) -> dict[str, str]:
         head = tok.line.strip().split(":", 1)[0]
         if tok.type == tokenize.COMMENT and head.isidentifier() and tok.start[1] > tok.line.index(head):
             comments.setdefault(head, tok.string.lstrip("#").strip())
+    above: list[str] = []
+    for line in source.splitlines():
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("#").strip())
+            continue
+        head = text.split(":", 1)[0]
+        if above and head.isidentifier() and ":" in text:
+            comments.setdefault(head, " ".join(above))
+        above = []
     return comments
 
 

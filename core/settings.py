@@ -73,7 +73,9 @@ class RLSettings(TrainSettings):
     lr: float = Field(1e-6, ge=0.0)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
-    log_every: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)  # rollouts (generate, score, update); overrides epochs when set
+    save_every: int = Field(50, ge=1)  # rollouts between resumable checkpoints
+    log_every: int = Field(1, ge=1)  # rollouts between metric logs
     eval_every: int = Field(0, ge=0)  # rollouts between held-out evaluations (0: only at the end)
     critic_lr: float | None = None  # None: lr
     # A no-grad forward for pi_old instead of the sampler's log-probs: for samplers whose numerics
