@@ -49,16 +49,20 @@ def test_plugins_lists_the_example_with_its_distribution(site):
         assert rows[key]["distribution"] == "alignflow-plugin-example"
         assert rows[key]["version"] == "0.1.0"
         assert rows[key]["description"]
-    assert all(set(r) == {"kind", "name", "distribution", "version", "description"} for r in rows.values())
+    assert all(set(r) == {"kind", "name", "distribution", "version", "description", "stage", "entry_point",
+                          "config_schema"} for r in rows.values())
+    assert rows[("algorithm", "hinge")]["stage"] == "preference"
+    assert rows[("algorithm", "hinge")]["config_schema"]["properties"]["delta"]["default"] == 1.0
 
 
 def test_validate_accepts_a_pipeline_using_it_only_when_installed(site, tmp_path):
     pipe = tmp_path / "uses-example.yaml"
     pipe.write_text(PIPELINE)
-    ok = run(["validate", str(pipe)], site)
+    (tmp_path / "base").mkdir()  # inputs are checked too, relative to the project: where alignflow runs
+    ok = run(["validate", str(pipe)], site, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert "prefs" in ok.stdout and "hinge" in ok.stdout
-    missing = run(["validate", str(pipe)])
+    missing = run(["validate", str(pipe)], cwd=tmp_path)
     assert missing.returncode == 1
     assert "stage 'prefs', algorithm.name: unknown algorithm 'hinge'" in missing.stderr
 
