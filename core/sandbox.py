@@ -27,7 +27,6 @@ import json
 import logging
 import marshal
 import os
-import platform
 import random
 import select
 import shutil
@@ -43,6 +42,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
+from alignflow.core.bwrap import SECCOMP, bwrap_args, probe
 from alignflow.core.errors import AlignflowError
 
 log = logging.getLogger(__name__)
@@ -142,103 +142,6 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
     }
 
 
-@lru_cache(maxsize=None)
-def _probe(python: str) -> tuple[str, str, list[str]]:
-    """sys.prefix, sys.base_prefix and sys.path (site's, for -I) of `python`."""
-    probe = "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.path]))"
-    out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, env={}, check=True)
-    prefix, base_prefix, paths = json.loads(out.stdout)
-    return prefix, base_prefix, paths
-
-
-@lru_cache(maxsize=None)
-def _view(python: str) -> tuple[str, ...]:
-    """bwrap arguments for a read-only view of what `python` needs: itself, its sys.path, shared libraries."""
-    prefix, base_prefix, paths = _probe(python)
-    args: list[str] = []
-    bound: list[str] = []
-    made: set[str] = {"/"}
-
-    def parents(path: str) -> None:  # bwrap would make them 0700, unreachable after the uid drop
-        for folder in reversed(Path(path).parents):
-            if str(folder) not in made:
-                made.add(str(folder))
-                args.extend(["--perms", "0755", "--dir", str(folder)])
-
-    def bind(path: str) -> None:
-        real = os.path.realpath(path)
-        if os.path.exists(real) and not any(real == b or real.startswith(b + "/") for b in bound):
-            bound.append(real)
-            parents(real)
-            args.extend(["--ro-bind", real, real])
-
-    for top in ["/lib", "/lib32", "/lib64", "/libx32"]:  # the dynamic loader and libc
-        if os.path.islink(top):
-            args.extend(["--symlink", os.readlink(top), top])
-        elif os.path.isdir(top):
-            bind(top)
-    for lib in ["/usr/lib", "/usr/lib32", "/usr/lib64"]:
-        bind(lib)
-    bind(python)
-    if os.path.realpath(python) != python:  # the name it was started by: a venv finds pyvenv.cfg by it
-        parents(python)
-        args.extend(["--symlink", os.path.realpath(python), python])
-    if prefix != base_prefix:
-        bind(os.path.join(prefix, "pyvenv.cfg"))
-    for path in paths:
-        if path:
-            bind(path)
-    return tuple(args)
-
-
-def _no_user_namespaces() -> bytes | None:
-    """A seccomp filter (classic BPF) refusing new user namespaces: `unshare`/`clone` with CLONE_NEWUSER
-    get EPERM, `clone3` ENOSYS (its flags sit behind a pointer; libc falls back to `clone`), and so do
-    other ABIs (i386 via int 0x80, x32). Inside one, a process may mount an uncapped tmpfs of its own.
-    None on an architecture this does not know."""
-    arch, nr = {"x86_64": (0xC000003E, (435, 272, 56)), "aarch64": (0xC00000B7, (435, 97, 220))}.get(
-        platform.machine(), (None, None))
-    if arch is None:
-        return None
-    clone3, unshare, clone = nr
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
-    x32 = 0x40000000 if platform.machine() == "x86_64" else 0xFFFFFFFF
-    program = [
-        (ld, 0, 0, 4),  # 0: arch
-        (jeq, 0, 8, arch),  # 1: else deny (10)
-        (ld, 0, 0, 0),  # 2: syscall number
-        (jge, 6, 0, x32),  # 3: x32 numbers: deny (10)
-        (jeq, 6, 0, clone3),  # 4: -> ENOSYS (11)
-        (jeq, 1, 0, unshare),  # 5: -> flags (7)
-        (jeq, 0, 2, clone),  # 6: -> flags (7), else allow (9)
-        (ld, 0, 0, 16),  # 7: the low half of args[0], the flags
-        (jset, 1, 0, 0x10000000),  # 8: CLONE_NEWUSER -> deny (10), else allow (9)
-        (ret, 0, 0, allow),  # 9
-        (ret, 0, 0, eperm),  # 10
-        (ret, 0, 0, enosys),  # 11
-    ]
-    return b"".join(struct.pack("<HBBI", *op) for op in program)
-
-
-SECCOMP = _no_user_namespaces()
-
-
-def _bwrap(python: str, limits: Limits, privileged: bool) -> list[str]:
-    scratch = str(limits.scratch_bytes)
-    args = [
-        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--die-with-parent", "--new-session", *_view(python), "--proc", "/proc", "--dev", "/dev",
-        "--perms", "1777", "--size", scratch, "--tmpfs", "/tmp",
-        "--perms", "1777", "--size", scratch, "--tmpfs", "/dev/shm", "--chdir", "/tmp",
-    ]
-    if privileged:  # the bootstrap drops to the run's uid; setuid clears these again
-        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        args += ["--unshare-user", "--disable-userns"]
-    return args
-
-
 _warned: set[str] = set()
 
 
@@ -330,7 +233,7 @@ class Sandbox:
         self._from_child, from_child = os.pipe()
         os.set_blocking(self._to_child, False)
         cfg = {"rlimits": _rlimits(limits), "uid": self.uid, "offline": self.isolation == "namespaces",
-               "program": program, "path": _probe(python)[2]}
+               "program": program, "path": probe(python)[2]}
         command = [python, "-I", "-S", "-c", BOOTSTRAP, str(to_child), str(from_child)]
         keep = [to_child, from_child]
         if self.isolation == "namespaces":
@@ -341,7 +244,7 @@ class Sandbox:
                 os.close(write_end)
                 keep.append(filter_fd)
                 seccomp = ["--seccomp", str(filter_fd)]
-            command = _bwrap(python, limits, privileged=root) + seccomp + ["--", *command]
+            command = bwrap_args(python, limits.scratch_bytes, privileged=root) + seccomp + ["--", *command]
             cwd = "/"
         else:
             self.workdir = cwd = tempfile.mkdtemp(prefix="alignflow-sandbox-")

@@ -110,10 +110,10 @@ def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
     return h.hexdigest()
 
 
-def _closure(module_name: str, inside) -> tuple[set[str], set[str]]:
+def _closure(module_name: str, inside) -> set[str]:
     """Modules `inside(name)` reachable from `module_name` through module attributes (imported modules,
-    classes and functions), transitively; and the top-level names of the other modules they import."""
-    seen, outside, todo = set(), set(), [module_name]
+    classes and functions), transitively."""
+    seen, todo = set(), [module_name]
     while todo:
         name = todo.pop()
         module = sys.modules.get(name)
@@ -122,15 +122,12 @@ def _closure(module_name: str, inside) -> tuple[set[str], set[str]]:
         seen.add(name)
         for value in vars(module).values():
             dep = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
-            if not isinstance(dep, str) or dep in seen:
-                continue
-            if not inside(dep):
-                outside.add(dep.partition(".")[0])
+            if not isinstance(dep, str) or dep in seen or not inside(dep):
                 continue
             if inspect.ismodule(value) and dep.startswith(name + "."):
                 continue  # a package's submodules are its attributes once imported, not its dependencies
             todo.append(dep)
-    return seen, outside
+    return seen
 
 
 def _hash_modules(names: set[str]) -> str:
@@ -148,7 +145,7 @@ def code_hash(module_name: str, package: str = "alignflow.") -> str:
     scoring), not only on its own file: an edit to any of them reruns the stage. Imports made inside
     functions are not seen.
     """
-    return _hash_modules(_closure(module_name, lambda dep: dep.startswith(package))[0])
+    return _hash_modules(_closure(module_name, lambda dep: dep.startswith(package)))
 
 
 def _imported_tops(module_name: str) -> set[str]:
@@ -180,7 +177,7 @@ def plugin_code(obj: Any, distribution: str | None = None) -> dict:
     mapping = _distributions_of()
     own = {module.partition(".")[0], "alignflow"}
     own |= {top for top, dists in mapping.items() if distribution and distribution in dists}
-    seen, _ = _closure(module, lambda dep: dep.partition(".")[0] in own)
+    seen = _closure(module, lambda dep: dep.partition(".")[0] in own)
     outside = {top for name in seen for top in _imported_tops(name)} - own  # static: the same in any process
     imports = {}
     for top in sorted(outside - set(sys.stdlib_module_names) - {"builtins"}):
