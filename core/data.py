@@ -10,11 +10,12 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from alignflow.core.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,8 @@ def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separato
 
 def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
     """Pad to the longest sequence given (not to a fixed length), on the left or right."""
+    import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch
+
     longest = max(len(s) for s in seqs)
     if side == "left":
         return torch.tensor([[value] * (longest - len(s)) + list(s) for s in seqs])
@@ -316,6 +319,8 @@ def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
 
 def collate(rows: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, Any]:
     """A micro-batch padded to its own longest sequence; `X_input_ids` also yields `X_attention_mask`."""
+    import torch
+
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     out: dict[str, Any] = {}

@@ -26,7 +26,7 @@ KIND_RULES: dict[str, dict[str, Any]] = {
     "prm": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},
     "preference": {"inputs": TRAIN_INPUTS | {"reference"}, "required": {"model", "dataset"},
                    "plugins": {"algorithm", "rewards", "sampler"}},
-    "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "prm", "critic"},
+    "rl": {"inputs": TRAIN_INPUTS | {"reference", "reward_model", "prm", "critic", "teacher"},
            "required": {"model", "dataset"}, "plugins": {"algorithm", "rewards", "sampler"},
            "needs_rewards": True},
     "rejection_sampling": {"inputs": {"model", "dataset", "reward_model", "prm"},
@@ -114,6 +114,17 @@ def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
 
 
 def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:
+    """The validated spec, or one SpecError listing every stage's problems."""
+    spec, problems = parse_shape(raw, source)
+    problems += plugin_problems(spec, source, plugins, skip=stages_of(problems))
+    raise_problems(source, problems)
+    return spec
+
+
+def parse_shape(raw: Any, source: str = "<spec>") -> tuple[PipelineSpec, list[str]]:
+    """The spec and each stage's first problem of shape (inputs, which plugins, settings), without
+    loading any plugin: the checks `alignflow validate` reports before importing plugin code (and torch).
+    A spec that is not a pipeline at all (bad YAML structure, a missing stage, a cycle) raises."""
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping with 'name' and 'stages', got {type(raw).__name__}")
     try:
@@ -124,21 +135,42 @@ def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:
     if not spec.stages:
         raise SpecError(f"{source}: 'stages' is empty; a pipeline needs at least one stage")
     check_graph(spec, source)
+    problems = []
+    for name, stage in spec.stages.items():
+        try:
+            check_shape(name, stage, source)
+        except SpecError as exc:
+            problems.append(str(exc))
+    return spec, problems
+
+
+def plugin_problems(spec: PipelineSpec, source: str, plugins=None, skip: set[str] = frozenset()) -> list[str]:
+    """Each stage's first problem with its plugins: unknown names, misplaced algorithms, bad configs."""
     if plugins is None:
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
-    problems = []  # every stage's first problem, reported together
+    problems = []
     for name, stage in spec.stages.items():
+        if name in skip:  # its shape is wrong already; one problem per stage
+            continue
         try:
-            check_stage(name, stage, source, plugins)
+            check_plugins(name, stage, source, plugins)
         except SpecError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def stages_of(problems: list[str]) -> set[str]:
+    """The stage names the problems (`...: stage 'x', ...`) are about."""
+    return {p.split("stage '", 1)[1].split("'", 1)[0] for p in problems if "stage '" in p}
+
+
+def raise_problems(source: str, problems: list[str]) -> None:
     if len(problems) == 1:
         raise SpecError(problems[0])
     if problems:
         raise SpecError(f"{source}: {len(problems)} stages have problems:\n" + "\n".join(f"  {p}" for p in problems))
-    return spec
 
 
 def check_graph(spec: PipelineSpec, source: str) -> None:
@@ -156,7 +188,8 @@ def check_graph(spec: PipelineSpec, source: str) -> None:
         raise SpecError(f"{source}: the stages form a cycle: {cycle}") from None
 
 
-def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
+def check_shape(name: str, stage: StageSpec, source: str) -> None:
+    """What the stage kind allows: inputs, which plugins it takes, its settings (no plugin code loaded)."""
     where = f"{source}: stage {name!r}"
     rules = KIND_RULES[stage.kind]
     for field in stage.inputs:
@@ -174,22 +207,38 @@ def check_stage(name: str, stage: StageSpec, source: str, plugins) -> None:
         raise SpecError(f"{where}, algorithm: required by a {stage.kind!r} stage")
     if rules.get("needs_rewards") and not stage.rewards:
         raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
+    if stage.sampler is None and stage.rewards and "sampler" in rules["plugins"]:
+        stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
+    _check_settings(where, stage)
 
+
+def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> None:
+    """The stage's plugins exist, serve its kind, and accept their configs."""
+    where = f"{source}: stage {name!r}"
     if stage.algorithm is not None:  # the kind first: an rl config in a preference stage is misplaced, not bad
         algo = _lookup(where, "algorithm", stage.algorithm, plugins.algorithms)
         if getattr(algo, "stage", None) != stage.kind:
             raise SpecError(f"{where}, algorithm: {stage.algorithm.name!r} serves "
                             f"{getattr(algo, 'stage', '?')!r} stages, not {stage.kind!r}")
         validate_config(algo, stage.algorithm.config, f"{where}, algorithm.config")
-    if stage.sampler is None and stage.rewards and "sampler" in rules["plugins"]:
-        stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
+        _check_teacher(where, stage, algo)
     if stage.sampler is not None:
         _check_ref(where, "sampler", stage.sampler, plugins.samplers)
     for i, ref in enumerate(stage.rewards):
         _check_ref(where, f"rewards[{i}]", ref, plugins.rewards)
     for i, ref in enumerate(stage.selectors):
         _check_ref(where, f"selectors[{i}]", ref, plugins.selectors)
-    _check_settings(where, stage)
+
+
+def _check_teacher(where: str, stage: StageSpec, algo) -> None:
+    """A `teacher` input exactly when the algorithm learns from one (`requires_teacher`): a teacher that
+    nothing reads would still change the stage's digest."""
+    wants, given = getattr(algo, "requires_teacher", False), "teacher" in stage.inputs
+    if wants and not given:
+        raise SpecError(f"{where}, inputs.teacher: algorithm {stage.algorithm.name!r} learns from a teacher; "
+                        "give its model path or `stage:NAME`")
+    if given and not wants:
+        raise SpecError(f"{where}, inputs.teacher: algorithm {stage.algorithm.name!r} uses no teacher")
 
 
 def _lookup(where: str, field: str, ref: PluginRef, registry):

@@ -77,7 +77,7 @@ def cmd_validate(args) -> int:
     """Validate a pipeline spec and print its stage DAG."""
     from alignflow.flows.preflight import check_pipeline
 
-    spec = check_pipeline(Path(args.pipeline), [], Path.cwd())
+    spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
     tree = Tree(f"[bold]{spec.name}[/bold] ({args.pipeline}): {len(spec.stages)} stages, valid")
     for name in spec.order():
         stage = spec.stages[name]
@@ -88,6 +88,14 @@ def cmd_validate(args) -> int:
             node.add(f"{field} <- {value}")
     console.print(tree)
     return 0
+
+
+def _show_early(problems: list[str]) -> None:
+    """The problems found before plugin code (and torch) loads, shown while the plugins are checked."""
+    err_console.print(f"[bold red]error:[/bold red] {len(problems)} problem{'s' if len(problems) > 1 else ''} "
+                      "in the spec, its settings and inputs:", highlight=False)
+    for p in problems:
+        err_console.print(f"  {escape(p)}", highlight=False, soft_wrap=True)
 
 
 def _stage_count(text: str) -> int:
@@ -112,7 +120,8 @@ def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
     from alignflow.flows.preflight import check_pipeline
 
-    check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True)  # before Prefect or a model
+    # before Prefect or a model starts
+    check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True, early=_show_early)
     from alignflow.flows import shutdown
 
     with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up

@@ -4,6 +4,9 @@ The YAML, the spec (every stage's plugins, configs and settings), the input path
 that does not exist is an error, not a hub id) and every row of the local JSONL datasets the stages
 read (valid JSON, the fields the stage needs). `alignflow validate` and `alignflow run` call this
 before Prefect's server or any model starts; it imports neither Prefect nor MLflow.
+
+Two passes: the first (YAML, stage shapes, settings, inputs, rows) loads no plugin code, hence no torch,
+and its problems can be shown at once (`early`); the second loads the plugins and checks their configs.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import yaml
 
 from alignflow.core.data import check_row
 from alignflow.core.errors import SpecError
-from alignflow.core.spec import PipelineSpec, StageSpec, parse_spec
+from alignflow.core.spec import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
 from alignflow.flows.digest import resolve_input
 from alignflow.flows.overrides import apply_overrides
 
@@ -37,7 +40,8 @@ def read_yaml(path: Path):
 
 
 def dataset_schema(stage: StageSpec, plugins) -> str | None:
-    """The row schema a stage's `dataset` input must hold; None for `select` (any JSON objects)."""
+    """The row schema a stage's `dataset` input must hold; None for `select` (any JSON objects).
+    A preference stage's depends on its algorithm (pairs or labelled rows): it needs `plugins`."""
     if stage.kind == "preference":
         algo = plugins.algorithms.get(stage.algorithm.name)
         return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
@@ -82,21 +86,28 @@ def bundled(value: str, project: Path) -> bool:
         and len(path.parts) == 2 and not (project / path).exists()
 
 
-def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
-    """Missing path-like inputs and bad rows of local JSONL datasets, over every stage."""
+def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] | None = None,
+                   rows_only: bool = False) -> list[str]:
+    """Missing path-like inputs and bad rows of local JSONL datasets, over every stage (or `stages`);
+    `rows_only`: the datasets' rows alone. Without `plugins`, preference stages' rows are left out."""
     problems, checked = [], set()
     for name in spec.order():
         stage = spec.stages[name]
+        if stages is not None and name not in stages:
+            continue
         references = stage.references()
         for field, value in sorted(stage.inputs.items()):
-            if field in references or bundled(value, project):
+            if field in references or bundled(value, project) or (rows_only and field != "dataset"):
                 continue
             try:
                 resolved = resolve_input(value, project)
             except SpecError as exc:
-                problems.append(f"stage {name!r}, inputs.{field}: {exc}")
+                if not rows_only:  # reported by the first pass
+                    problems.append(f"stage {name!r}, inputs.{field}: {exc}")
                 continue
             if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
+                continue
+            if field == "dataset" and stage.kind == "preference" and plugins is None:
                 continue
             schema = dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
@@ -106,21 +117,41 @@ def input_problems(spec: PipelineSpec, project: Path, plugins) -> list[str]:
 
 
 def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                   plugins=None, regenerate: bool = False) -> PipelineSpec:
+                   plugins=None, regenerate: bool = False, early=None) -> PipelineSpec:
     """The validated spec, or one SpecError listing every problem found. `regenerate`: write the
     bundled datasets under `data/` first when a stage reads them and they are missing (as a run does);
-    without it they are taken as present."""
-    if plugins is None:
-        from alignflow.core.plugins import get_plugins
-
-        plugins = get_plugins()
-    spec = parse_spec(apply_overrides(read_yaml(Path(pipeline)), list(overrides)), str(pipeline), plugins)
+    without it they are taken as present. `early(problems)`, if given, is called with the problems found
+    before any plugin code loads (in about a second); the SpecError then lists only the others."""
+    source = str(pipeline)
+    spec, problems = parse_shape(apply_overrides(read_yaml(Path(pipeline)), list(overrides)), source)
+    misshapen = stages_of(problems)  # their plugins are not checked: one problem per stage's spec
     if regenerate:  # what `alignflow run` would write at its start, written now so its rows are checked too
         from alignflow.flows.data import ensure_data
 
         ensure_data(spec, project)
-    problems = input_problems(spec, project, plugins)
-    if problems:
-        raise SpecError(f"{pipeline}: {len(problems)} problem{'s' if len(problems) > 1 else ''} found before any "
-                        "compute:\n" + "\n".join(f"  {p}" for p in problems))
+    problems += input_problems(spec, project, None)
+    shown = len(problems) if early is not None and problems else 0
+    if shown:
+        early(list(problems))
+    if plugins is None:
+        from alignflow.core.plugins import get_plugins
+
+        plugins = get_plugins()
+    problems += plugin_problems(spec, source, plugins, skip=misshapen)
+    # A preference stage's rows follow its algorithm (pairs or labelled rows): checked once it is loaded.
+    preference = {name for name, stage in spec.stages.items() if stage.kind == "preference"}
+    problems += input_problems(spec, project, plugins, preference - misshapen, rows_only=True)
+    raise_all(pipeline, problems, shown)
     return spec
+
+
+def raise_all(pipeline: Path, problems: list[str], shown: int) -> None:
+    """One SpecError with the problems not shown yet (all of them when none were)."""
+    if not problems:
+        return
+    rest = problems[shown:]
+    count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''} found before any compute"
+    if not rest:
+        raise SpecError(f"{pipeline}: {count} (listed above)")
+    head = f"{count}; {len(rest)} more" if shown else count
+    raise SpecError(f"{pipeline}: {head}:\n" + "\n".join(f"  {p}" for p in rest))

@@ -68,7 +68,7 @@ def test_bad_lines_are_capped_per_file(project):
 def test_settings_ranges_of_every_stage_at_once(project):
     msg = problems(project, "sft.settings.lr=0", "rl.settings.max_steps=-5",
                    "sample.settings.n=0")
-    assert "3 stages have problems" in msg
+    assert "7 problems found before any compute" in msg  # the three settings and the four input problems
     assert "stage 'sft', settings.lr: 0 would train nothing" in msg
     assert "stage 'rl', settings.max_steps: Input should be greater than or equal to 1" in msg
     assert "stage 'sample', settings.n" in msg
@@ -79,6 +79,37 @@ def test_settings_ranges_of_every_stage_at_once(project):
     assert "settings.lr: Input should be greater than or equal to 0" in problems(project, "sft.settings.lr=-2e-3")
     assert "must be a multiple of group_size=8 (each optimizer step takes whole groups)" in problems(
         project, "rl.settings.batch_size=4")
+
+
+def test_spec_problems_are_shown_before_plugin_code_or_torch_loads(project):
+    # In a fresh process: the first pass must not import torch (3+ s on a loaded machine), and the
+    # plugin pass still runs after it, so a bad plugin config is reported in the same run.
+    script = """
+import sys
+from pathlib import Path
+from alignflow.core.errors import SpecError
+from alignflow.flows.preflight import check_pipeline
+early = []
+try:
+    check_pipeline(Path("p.yaml"), ["sft.settings.lr=0", "rl.algorithm.config.clip_low=7"], Path("."),
+                   early=lambda p: early.append(("torch" in sys.modules, p)))
+except SpecError as exc:
+    print("ERROR", str(exc).replace(chr(10), " | "))
+print("EARLY", early)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=project, capture_output=True, text=True)
+    early = done.stdout.split("EARLY", 1)[1]
+    assert early.startswith(" [(False, [") and "settings.lr: 0 would train nothing" in early
+    assert "models/my-sft" in early and "rl.jsonl:3: invalid JSON" in early  # inputs and rows: first pass
+    error = done.stdout.split("ERROR", 1)[1].split("EARLY")[0]
+    assert "6 problems found before any compute; 1 more" in error  # only the plugin's is repeated below
+    assert "stage 'rl', algorithm.config.clip_low" in error and "would train nothing" not in error
+
+
+def test_a_plugin_problem_and_a_settings_problem_are_reported_together(project):
+    msg = problems(project, "sft.settings.lr=0", "rl.algorithm.config.clip_low=7", "sample.inputs.model=./base")
+    assert "5 problems found before any compute" in msg
+    assert "settings.lr: 0 would train nothing" in msg and "algorithm.config.clip_low" in msg
 
 
 def test_a_hub_id_is_recognised_by_its_form(project):
@@ -99,7 +130,8 @@ def test_the_cli_reports_yaml_and_input_errors_before_prefect_starts(project):
     start = time.monotonic()
     done = subprocess.run([ALIGNFLOW, "run", "p.yaml"], cwd=project, capture_output=True, text=True)
     out = done.stdout + done.stderr
-    assert done.returncode == 1 and "4 problems found before any compute" in " ".join(out.split())
+    assert done.returncode == 1 and "4 problems in the spec, its settings and inputs" in " ".join(out.split())
+    assert "4 problems found before any compute (listed above)" in " ".join(out.split())
     assert "prefect" not in out.lower() and not (project / "mlflow.db").exists()  # nothing started
     print(f"four input problems reported in {time.monotonic() - start:.1f} s")
     valid = subprocess.run([ALIGNFLOW, "validate", "p.yaml"], cwd=project, capture_output=True, text=True)
