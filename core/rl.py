@@ -5,6 +5,10 @@ The stage drives every algorithm the same way, without knowing which one it runs
     rollout = Rollout(...)                          # generate G per prompt, score, old/ref log-probs, values
     rollout = rollout.select(algo.filter_groups(rollout))  # DAPO-style filters; regenerate up to
                                                     # algo.max_gen_batches rounds and Rollout.cat them
+    rollout += groups of the last algo.buffer_steps steps that algo.replay_groups picks, with the
+               old_logprobs they were generated with   # only algo.fresh_groups(prompts_per_step) are new
+    rollout += for each group with no correct completion, the correct ones of algo.guided_samples drawn after
+               algo.guided_prompt(prompt, answer), flagged `guided` and placed after the plain prompt
     advantages, returns = algo.advantages(rollout)  # once per rollout, on the whole batch
     for each of ppo_epochs, each optimizer step, each micro-batch `idx`:
         batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...)
@@ -42,6 +46,7 @@ class Rollout:
     max_new_tokens: int  # generation budget (Dr. GRPO's normaliser)
     correct: Tensor | None = None  # [B] accuracy in {0, 1}: what DAPO filters on and DisCO classifies
     ref_logprobs: Tensor | None = None  # [B, T] frozen reference, when requires_reference
+    teacher_logprobs: Tensor | None = None  # [B, T] frozen teacher on the sampled tokens, when requires_teacher
     values: Tensor | None = None  # [B, T] critic values before each token, when requires_critic
     truncated: Tensor | None = None  # [B] bool: hit max_new_tokens without EOS
     # process supervision (requires_step_rewards): a reward at each reasoning step's last token
@@ -49,6 +54,9 @@ class Rollout:
     step_mask: Tensor | None = None  # [B, T] 1 at each step's last token
     # [B, T] the sampler's own log-probs (the behaviour policy mu), kept beside a recomputed pi_old
     sampler_logprobs: Tensor | None = None
+    # [B] bool: sampled after `guided_prompt` (the prompt with the reference answer) but scored, as every
+    # log-prob here, after the plain prompt; None when the algorithm asks for no guided samples
+    guided: Tensor | None = None
 
     def __post_init__(self):
         b, t = self.response_mask.shape
@@ -102,7 +110,9 @@ class Rollout:
             response_mask=rows.response_mask,
             group=rows.group,
             correct=rows.correct,
+            guided=rows.guided,
             ref_logprobs=rows.ref_logprobs,
+            teacher_logprobs=rows.teacher_logprobs,
             values=values,
             old_values=rows.values,
             returns=None if returns is None else returns[index],
@@ -123,7 +133,9 @@ class PolicyBatch:
     response_mask: Tensor  # [b, T]
     group: Tensor  # [b]
     correct: Tensor | None = None  # [b]
+    guided: Tensor | None = None  # [b] bool, see Rollout.guided
     ref_logprobs: Tensor | None = None  # [b, T]
+    teacher_logprobs: Tensor | None = None  # [b, T]
     values: Tensor | None = None  # [b, T] current critic, differentiable
     old_values: Tensor | None = None  # [b, T] critic at rollout time
     returns: Tensor | None = None  # [b, T] critic targets
@@ -136,6 +148,7 @@ class RLAlgorithm(Algorithm):
     needs_old_logprobs: ClassVar[bool] = True  # importance ratios / KL to pi_old
     requires_step_rewards: ClassVar[bool] = False  # a process reward (the `prm` reward) scores each step
     requires_whole_groups: ClassVar[bool] = False  # the loss couples responses of one prompt
+    requires_teacher: ClassVar[bool] = False  # a frozen teacher (the stage's `teacher` input) scores the samples
 
     def __init__(self, config: PluginConfig | None = None):
         super().__init__(config)
@@ -153,6 +166,31 @@ class RLAlgorithm(Algorithm):
     def max_gen_batches(self) -> int:
         """Generation rounds the stage may run to refill a batch that `filter_groups` shrank (0: no cap)."""
         return 1
+
+    def fresh_groups(self, prompts_per_step: int) -> int:
+        """Prompt groups generated at each step; the batch's other groups are replayed from earlier steps."""
+        return prompts_per_step
+
+    @property
+    def buffer_steps(self) -> int:
+        """Steps a generated group stays replayable after the step that generated it (0: none is kept)."""
+        return 0
+
+    def replay_groups(self, ages: Tensor, n: int, generator: torch.Generator) -> Tensor:
+        """Indices of the buffered groups to train on again (`ages`: steps since each was generated), at
+        most n. Default: n of them uniformly at random, without replacement."""
+        return torch.randperm(len(ages), generator=generator)[:n]
+
+    def guided_prompt(self, prompt: str, answer: str) -> str | None:
+        """For a group whose completions are all wrong: a prompt showing the reference `answer`, after which the
+        stage samples `guided_samples` completions and adds those the verifier accepts to the rollout as
+        `guided` rows (ExPO's self-explanations). None (default): no guided samples."""
+        return None
+
+    @property
+    def guided_samples(self) -> int:
+        """Completions drawn after each `guided_prompt`."""
+        return 0
 
     def norm_constant(self, rollout: Rollout) -> float | None:
         """StepNorm.constant for `seq-mean-token-sum-norm`; None when the mode needs none."""
@@ -212,11 +250,17 @@ class PolicyGradient(RLAlgorithm):
             loss = loss * weights[:, None]
         metrics = {f"actor/{name}_frac": masked_mean(flag.float(), mask) for name, flag in flags.items()}
         metrics["actor/ratio_mean"] = masked_mean(ratio, mask)
-        if c.kl_loss_coef > 0:
-            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, c.kl_loss_estimator)
-            loss = loss + c.kl_loss_coef * kl
-            metrics["actor/kl_ref"] = masked_mean(kl, mask)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+        return with_kl_loss(loss, batch, c, metrics)
+
+
+def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Tensor]):
+    """`loss` + kl_loss_coef * the per-token KL estimate to the reference (`actor/kl_ref`) when the coefficient
+    is positive, and the metrics detached: the end of every policy loss with an optional KL term."""
+    if config.kl_loss_coef > 0:
+        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator)
+        loss = loss + config.kl_loss_coef * kl
+        metrics["actor/kl_ref"] = masked_mean(kl, batch.response_mask)
+    return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 def broadcast(per_response: Tensor, mask: Tensor) -> Tensor:

@@ -80,6 +80,7 @@ class RLSettings(TrainSettings):
     critic_lr: float | None = None  # None: lr
     # A no-grad forward for pi_old instead of the sampler's log-probs: for samplers whose numerics
     # differ from the trainer's (vLLM, bf16); on CPU in fp32 the sampler's are the same distribution.
+    # Rows replayed from earlier steps (offpolicy_grpo) keep the pi_old they had when fresh.
     recompute_old_logprobs: bool = False
     # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
     # off-policy RL training"): each token's policy loss is weighted by min(pi_old / mu, tis_cap), mu the
@@ -94,6 +95,10 @@ class RLSettings(TrainSettings):
     # while this step scores and trains: one-step off-policy, pi_old is the generating weights' log-probs.
     overlap_rollouts: bool = False
     overlap_threads: int = Field(1, ge=1)
+    # How each step's prompts are drawn. "epochs": a seeded permutation per pass over the data, every prompt
+    # once per pass. "prioritized": with probability proportional to 1 - s_i, s_i the success rate of prompt i
+    # so far in the stage (Kimi k1.5, arXiv 2501.12599, section 2.3.4): prompts always solved are drawn rarely.
+    prompt_sampling: Literal["epochs", "prioritized"] = "epochs"
 
 
 class PRMSettings(TrainSettings):

@@ -245,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect gives its ephemeral server 20 s to start, which a busy laptop or CI box can miss.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # offline by design: no telemetry calls
+    # Before torch loads (here and in every stage process): OpenMP threads that wait sleep instead of
+    # spinning. Beside other busy processes, spinning threads made a training step 1.5-10x and a decode
+    # round 3-27x slower on two threads than on one; sleeping ones stay within 0.8-1.1x and 1.0-1.7x.
+    # On a machine of its own a run loses some speed by it: OMP_WAIT_POLICY=ACTIVE takes it back
+    # (README, "Threads on a shared machine"; benchmarks/threads_under_load.py).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(argv)
     configure_logging()
     try:

@@ -8,8 +8,8 @@ from pydantic import Field, field_validator
 
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, kl_estimate, masked_mean
+from alignflow.core.rl import PolicyBatch, with_kl_loss
+from alignflow.core.rl_parts import LOG_RATIO_CLAMP, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 
@@ -54,11 +54,7 @@ class CISPO(GRPO):
             "actor/clip_low_frac": masked_mean((ratio < (floor or 0.0)).float(), mask),  # weight floored
             "actor/ratio_mean": masked_mean(ratio, mask),
         }
-        if c.kl_loss_coef > 0:
-            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, c.kl_loss_estimator)
-            loss = loss + c.kl_loss_coef * kl
-            metrics["actor/kl_ref"] = masked_mean(kl, mask)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+        return with_kl_loss(loss, batch, c, metrics)
 
 
 @hookimpl

@@ -11,8 +11,8 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl import PolicyBatch, broadcast
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, kl_estimate, masked_mean
+from alignflow.core.rl import PolicyBatch, broadcast, with_kl_loss
+from alignflow.core.rl_parts import LOG_RATIO_CLAMP, masked_mean
 from alignflow.plugins.grpo import GRPO
 
 
@@ -59,11 +59,7 @@ class GMPO(GRPO):
             "actor/clip_high_frac": masked_mean((positive & (log_ratio > c.log_clip_high)).float(), mask),
             "actor/ratio_mean": ratio.mean(),  # mean over responses of the geometric-mean ratio
         }
-        if c.kl_loss_coef > 0:
-            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, c.kl_loss_estimator)
-            loss = loss + c.kl_loss_coef * kl
-            metrics["actor/kl_ref"] = masked_mean(kl, mask)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+        return with_kl_loss(loss, batch, c, metrics)
 
 
 @hookimpl

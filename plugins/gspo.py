@@ -11,8 +11,8 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch
-from alignflow.core.rl_parts import clipped_surrogate, kl_estimate, masked_mean
+from alignflow.core.rl import PolicyBatch, with_kl_loss
+from alignflow.core.rl_parts import clipped_surrogate, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 
@@ -60,11 +60,7 @@ class GSPO(GRPO):
         # Token fractions, as the paper's Figure 2 counts clipped tokens; a clipped response counts all its tokens.
         metrics = {f"actor/{name}_frac": masked_mean(flag.float(), mask) for name, flag in flags.items()}
         metrics["actor/ratio_mean"] = log_s.detach().exp().mean()  # mean of s_i over responses
-        if c.kl_loss_coef > 0:
-            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, c.kl_loss_estimator)
-            loss = loss + c.kl_loss_coef * kl
-            metrics["actor/kl_ref"] = masked_mean(kl, mask)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+        return with_kl_loss(loss, batch, c, metrics)
 
 
 @hookimpl

@@ -11,8 +11,8 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl import PolicyBatch, RLAlgorithm, Rollout, broadcast
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, group_normalize, kl_estimate, masked_mean
+from alignflow.core.rl import PolicyBatch, RLAlgorithm, Rollout, broadcast, with_kl_loss
+from alignflow.core.rl_parts import LOG_RATIO_CLAMP, group_normalize, masked_mean
 
 
 class SAPOConfig(PluginConfig):
@@ -56,11 +56,7 @@ class SAPO(RLAlgorithm):
             "actor/ratio_mean": masked_mean(ratio, mask),
             "actor/gate_weight_mean": masked_mean(4 * s * (1 - s), mask),  # f'(r): 1 on-policy, < 1 off it
         }
-        if c.kl_loss_coef > 0:
-            kl = kl_estimate(batch.logprobs, batch.ref_logprobs, c.kl_loss_estimator)
-            loss = loss + c.kl_loss_coef * kl
-            metrics["actor/kl_ref"] = masked_mean(kl, mask)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+        return with_kl_loss(loss, batch, c, metrics)
 
 
 @hookimpl

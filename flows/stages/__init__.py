@@ -23,6 +23,7 @@ OUTPUT_OF_INPUT: dict[str, str] = {
     "prm": "model",
     "completer": "model",
     "critic": "model",
+    "teacher": "model",
     "dataset": "dataset",
     "eval_dataset": "dataset",
 }

@@ -1,9 +1,11 @@
 """The `rl` stage: online RL with any registered RL algorithm, driven by its flags alone.
 
 Per step: draw prompts -> G completions each through the sampler -> rewards -> the algorithm's
-group filter (refilling rounds) -> padded tensors -> reference log-probs / critic values when the
-algorithm needs them -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
-the sampler takes the new weights. pi_old is the sampler's own log-probs: no extra forward pass.
+group filter (refilling rounds) -> guided samples for unsolved groups, when the algorithm asks for them ->
+groups of earlier steps, when the algorithm replays -> padded tensors -> reference log-probs / critic values
+when the algorithm needs them -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
+the sampler takes the new weights. pi_old is the sampler's own log-probs: no extra forward pass (but on
+guided rows, whose sampler log-probs are after another prompt).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.rl_overlap import Overlapped
+from alignflow.flows.stages.rl_prompts import PromptDraw
+from alignflow.flows.stages.rl_replay import ReplayBuffer, replay_metrics, restore, with_replayed
 from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, round_share, to_batch
-from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.rl_update import critic_values, prepare, rescore_guided, rollout_stats, update
 from alignflow.flows.stages.scoring import CHUNK, prompt_ids, reward_set
 from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
                                              save_pretrained)
@@ -72,6 +76,23 @@ def load_reference(ctx: StageContext, policy_source: str):
         return frozen(load_model_for(ctx, src), settings)
 
 
+def load_teacher(ctx: StageContext, tokenizer):
+    """The frozen teacher of a `requires_teacher` algorithm: the `teacher` input, which scores the
+    student's token ids and so must share its vocabulary."""
+    where = f"stage {ctx.name!r}, inputs.teacher"
+    if "teacher" not in ctx.inputs:
+        raise SpecError(f"{where}: algorithm {ctx.spec.algorithm.name!r} learns from a teacher: give its model "
+                        "path or `stage:NAME`")
+    with model_source(ctx, "teacher") as src:
+        theirs, ours = load_tokenizer_for(ctx, src).get_vocab(), tokenizer.get_vocab()
+        if theirs != ours:
+            differing = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+            raise SpecError(f"{where}: the teacher's vocabulary ({len(theirs)} tokens) is not the student's "
+                            f"({len(ours)}; first differences {differing}): the teacher scores the student's "
+                            "token ids, so both need the same tokenizer")
+        return frozen(load_model_for(ctx, src), engine_settings(ctx.settings))
+
+
 def engines(ctx: StageContext, model, critic, total: int, updates: int):
     """The policy engine (resumed) and the critic engine resumed at the policy's step."""
     s = ctx.settings
@@ -100,6 +121,9 @@ class Parts:
     dataset: list[dict]
     n_minibatches: int  # optimizer steps per epoch over a rollout
     process_reward: Any = None  # the reward that scores each step, for `requires_step_rewards`
+    teacher: torch.nn.Module | None = None  # frozen, for `requires_teacher`
+    replay: ReplayBuffer | None = None  # groups of earlier steps, for algorithms that replay them
+    prompts: PromptDraw | None = None  # which rows each step generates for, and their success rates
 
 
 def build(ctx: StageContext) -> tuple[Parts, int]:
@@ -116,6 +140,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         model = load_model_for(ctx, src)
         reference = load_reference(ctx, src) if algo.requires_reference else None
         critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
+    teacher = load_teacher(ctx, tokenizer) if algo.requires_teacher else None
     if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
         if s.zero_stage == 3:  # ZeRO-3 partitions them, and the loss reads them outside any forward
             raise SpecError(f"stage {ctx.name!r}, settings.zero_stage: {ctx.spec.algorithm.name} trains its own "
@@ -128,8 +153,11 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
+    state = engine.data_state or {}  # a resumed run goes on with its checkpoint's buffer and success table
+    replay = ReplayBuffer(algo, s.prompts_per_step, ctx.seed, state.get("replay"), f"stage {ctx.name!r}, ")
+    prompts = PromptDraw(len(dataset), replay.fresh, ctx.seed, s.prompt_sampling, state.get("prompts"))
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
-                 process), total
+                 process, teacher, replay=replay, prompts=prompts), total
 
 
 def check_ranks(ctx: StageContext) -> None:
@@ -198,7 +226,7 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
                 ctx.log_metrics(metrics, step + 1)
             if critic is not None:  # first, so the policy's newest checkpoint always has its critic
                 critic.maybe_save({"step": step + 1})
-            engine.maybe_save({"step": step + 1})
+            engine.maybe_save({"step": step + 1, "replay": p.replay.state(), "prompts": p.prompts.state()})
     if hasattr(engine.module, EXTRA):
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
@@ -211,8 +239,8 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
 
 def prefetch(ctx: StageContext, p: Parts, step: int) -> None:
     """Start `step`'s first generation round in the overlapped sampler: the same calls `collect` makes."""
-    rows, mine, seed = round_share(ctx, step, 0, p.dataset)
-    ids = prompt_ids(p.tokenizer, [rows[i] for i in mine])
+    index, mine, seed = round_share(ctx, step, 0, p.dataset, p.prompts)
+    ids = prompt_ids(p.tokenizer, [p.dataset[index[i]] for i in mine])
     for lo in range(0, len(ids), CHUNK):
         p.sampler.prefetch(ids[lo: lo + CHUNK], ctx.settings.group_size, ctx.settings.generation, seed + lo)
 
@@ -221,9 +249,12 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     """Generate, score, filter, prepare, compute advantages, update; returns the step's metrics."""
     s, gen = ctx.settings, ctx.settings.generation
     start = time.perf_counter()
+    picked = p.replay.draw(step)  # groups of earlier steps the algorithm trains on again
     kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
-                                   p.tokenizer.pad_token_id, p.process_reward)
+                                   p.tokenizer.pad_token_id, p.process_reward, p.prompts)
     metrics.update(rollout_metrics(kept, drawn))
+    metrics.update(replay_metrics(step, picked, kept))
+    fresh, kept = kept, with_replayed(kept, picked)  # fresh rows first, then the replayed groups
     overlapped = isinstance(p.sampler, Overlapped)
     # Optimizer updates between the weights that generated this step's samples and these.
     metrics["rollout/staleness"] = float(p.sampler.take_staleness()) if overlapped else 0.0
@@ -247,10 +278,17 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
         fill["old_logprobs"] = logprobs(p.engine.model)
     if p.reference is not None:
         fill["ref_logprobs"] = logprobs(p.reference)
+    if p.teacher is not None:
+        fill["teacher_logprobs"] = logprobs(p.teacher)
     if p.critic is not None:
         fill["values"] = partial(critic_values, p.critic.model)
     batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens).to(p.engine.device)
     batch = prepare(batch, s.micro_batch_size, **fill)
+    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one.
+    batch = rescore_guided(batch, s.micro_batch_size, logprobs(p.engine.model))
+    # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
+    batch = restore(batch, len(fresh), picked)
+    p.replay.add(step, fresh, batch.rollout)
     advantages, returns = p.algo.advantages(batch.rollout)
     trained = time.perf_counter()
     metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches, temperature,

@@ -1,4 +1,5 @@
-"""Rollouts of the `rl` stage: draw prompts, generate G completions each, score, filter, tensorise.
+"""Rollouts of the `rl` stage: draw prompts, generate G completions each, score, filter, add guided samples
+for the groups no completion solved (when the algorithm asks for them), tensorise.
 
 Everything here is a pure function of the step (prompt draw and sampling seed), so a resumed run
 regenerates exactly the rollouts an uninterrupted run would.
@@ -19,6 +20,7 @@ from alignflow.flows.stages.training import step_rows
 
 ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
 RANK_SEED = 104_729  # separates the sampling seeds of data-parallel ranks (rank 0 keeps one process's)
+GUIDED_SEED = 15_485_867  # separates the sampling seeds of a step's guided samples from its rounds'
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Samples:
     values: dict[str, list[float | None]]  # each reward's raw scores
     steps: list[list[tuple[int, float]]] | None = None  # process reward: (completion token, reward) per step
     counts: dict[str, float] = field(default_factory=dict)  # reward/NAME/failed and rewards' own counts
+    guided: list[bool] | None = None  # sampled after `algo.guided_prompt` (see `explain`); None: no such row
 
     def __len__(self) -> int:
         return len(self.group)
@@ -54,12 +57,15 @@ class Samples:
         first = parts[0]
 
         def cat(name):
-            if getattr(first, name) is None:
+            if getattr(first, name) is None and name != "guided":
                 return None
             if name == "values":
                 return {k: sum((p.values[k] for p in parts), []) for k in first.values}
             if name == "counts":
                 return {k: sum(p.counts.get(k, 0.0) for p in parts) for k in {k for p in parts for k in p.counts}}
+            if name == "guided":  # rounds carry no flags, guided samples all True: a row without one is not guided
+                return None if all(p.guided is None for p in parts) else sum(
+                    (p.guided if p.guided is not None else [False] * len(p) for p in parts), [])
             return sum((getattr(p, name) for p in parts), [])
 
         return Samples(**{f.name: cat(f.name) for f in fields(first)})
@@ -94,12 +100,15 @@ def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> lis
     return step_rows(step, n_rows, k, seed if round_ == 0 else seed + ROUND_SEED * round_)
 
 
-def round_share(ctx, step: int, round_: int, dataset: list[dict]) -> tuple[list[dict], list[int], int]:
-    """A round's rows, the indices of this rank's share of them, and its sampling seed (a function of
-    step, round and rank)."""
+def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None) -> tuple[list[int], list[int], int]:
+    """A round's dataset rows (`draw.rows`, a `PromptDraw`, else seeded epochs of `prompts_per_step`), the
+    positions of this rank's share of them, and its sampling seed (a function of step, round and rank)."""
     rank, world = rank_and_world()
-    rows = [dataset[i] for i in round_prompts(step, round_, len(dataset), ctx.settings.prompts_per_step, ctx.seed)]
-    return rows, list(range(rank, len(rows), world)), ctx.seed * 1_000_003 + step * 101 + round_ + rank * RANK_SEED
+    if draw is not None:
+        index = draw.rows(step, round_)
+    else:
+        index = round_prompts(step, round_, len(dataset), ctx.settings.prompts_per_step, ctx.seed)
+    return index, list(range(rank, len(index), world)), ctx.seed * 1_000_003 + step * 101 + round_ + rank * RANK_SEED
 
 
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
@@ -147,22 +156,29 @@ def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
 
 
 def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,
-            process_reward=None):
+            process_reward=None, draw=None):
     """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill
-    up to `algo.max_gen_batches` rounds (0: until full), trim to `prompts_per_step` groups.
+    up to `algo.max_gen_batches` rounds (0: until full), trim to `draw.per_step` groups (without a
+    `PromptDraw`: `prompts_per_step`); the draw records every completion's success. The kept rows are
+    followed by the guided samples of the groups they leave unsolved (`explain`), when the algorithm asks.
 
     On several ranks each generates for its share of a round's prompts, and every rank then holds
     the whole round, so the filter, the advantages and the update see the rollout one process would.
     """
     s = ctx.settings
-    G, want = s.group_size, s.prompts_per_step
+    G, want = s.group_size, s.prompts_per_step if draw is None else draw.per_step
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
+    sources = {}  # group id -> its dataset row
     times = {"generate": 0.0, "score": 0.0}
     while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
-        rows, mine, seed = round_share(ctx, step, rounds, dataset)
+        index, mine, seed = round_share(ctx, step, rounds, dataset, draw)
+        rows = [dataset[i] for i in index]
+        sources.update({rounds * want + i: row for i, row in enumerate(rows)})
         samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
                                     [rounds * want + i for i in mine], process_reward)
         samples = whole_round(samples)
+        if draw is not None:
+            draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
         keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
@@ -173,13 +189,55 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         drawn.append(samples)
         n_kept += len(groups)
         rounds += 1
+    kept = Samples.join(kept)
+    guided, guided_metrics = explain(ctx, step, kept, sources, sampler, tokenizer, rewards, algo, process_reward)
     metrics = {
         "sampling/rounds": float(rounds),
         "sampling/groups_filtered": float(filtered),
         "sampling/groups_kept": float(n_kept),
         **{f"time/{k}": v for k, v in times.items()},
+        **(draw.metrics() if draw is not None else {}),
+        **guided_metrics,
     }
-    return Samples.join(kept), Samples.join(drawn), metrics
+    return kept if guided is None else Samples.join([kept, guided]), Samples.join(drawn), metrics
+
+
+def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, tokenizer, rewards, algo,
+            process_reward=None) -> tuple[Samples | None, dict[str, float]]:
+    """Guided samples (ExPO's self-explanations) for the kept groups with no correct completion:
+    `algo.guided_samples` completions after `algo.guided_prompt(prompt, answer)` of each (`sources[g]`: group
+    g's dataset row), scored as any completion, the correct ones kept as `guided` rows of their group.
+
+    Their prompt ids are the PLAIN prompt's, so every forward of the stage (pi_old, reference, the update)
+    scores them after the plain prompt; their `logprobs` are still the sampler's after the hint, which
+    `rl_update.rescore_guided` replaces before the update. Not counted in the prompt draw's success table.
+    """
+    if algo.guided_samples < 1:
+        return None, {}
+    start = time.perf_counter()
+    solved = {g for g, ok in zip(kept.group, kept.correct) if ok}
+    hints = [(g, algo.guided_prompt(sources[g]["prompt"], sources[g]["answer"]))
+             for g in sorted(set(kept.group) - solved)]
+    hints = [(g, hint) for g, hint in hints if hint is not None]
+    metrics = {"guided/groups": float(len(hints)), "guided/rows": 0.0}
+    if not hints:  # the same on every rank: all of them skip the gather below
+        return None, metrics
+    rank, world = rank_and_world()
+    mine = hints[rank::world]
+    samples = Samples([], [], [], [], [], [], [], {r.name: [] for r in rewards.rewards},
+                      [] if process_reward is not None else None)  # a rank with no hint still joins the gather
+    if mine:
+        seed = ctx.seed * 1_000_003 + step * 101 + rank * RANK_SEED + GUIDED_SEED
+        samples, _ = generate_round(sampler, tokenizer, [{**sources[g], "prompt": hint} for g, hint in mine],
+                                    algo.guided_samples, ctx.settings.generation, seed, rewards,
+                                    [g for g, _ in mine], process_reward)
+    samples = whole_round(samples)
+    ok = [i for i, correct in enumerate(samples.correct) if correct]
+    accepted = replace(samples.take(ok), counts={}, guided=[True] * len(ok))
+    accepted.prompt_ids = prompt_ids(tokenizer, [sources[g] for g in accepted.group])
+    metrics.update({"guided/rows": float(len(ok)), "guided/accept_rate": len(ok) / len(samples),
+                    "time/guided": time.perf_counter() - start})
+    return (accepted if ok else None), metrics
 
 
 def whole_round(samples: Samples) -> Samples:
@@ -213,6 +271,7 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
         response_mask=response, old_logprobs=old, max_new_tokens=max_new_tokens,
         correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
         step_rewards=step_rewards, step_mask=step_mask, sampler_logprobs=sampled,
+        guided=None if samples.guided is None else torch.tensor(samples.guided, dtype=torch.bool),
     )
     return Batch(ids, attention, rollout)
 

@@ -9,7 +9,9 @@ from alignflow.core import Algorithm, PluginError, hookimpl
 from alignflow.core.plugins import Plugins, get_plugins, load_entry_points, reset_plugins
 
 BUILTIN_ALGORITHMS = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo",
-                      "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
+                      "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
+                      "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
+                      "expo"}
 
 
 def make_dist(site, dist, module, source, ep_name=None):

@@ -135,7 +135,9 @@ def test_every_registered_rl_algorithm_runs_through_the_contract():
     from alignflow.core import get_plugins
 
     rl = [e for e in get_plugins().algorithms if getattr(e.obj, "stage", None) == "rl"]
-    expected = {"grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
+    expected = {"grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
+                      "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
+                      "expo"}
     assert expected <= {e.name for e in rl}
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]] * 2)
     correct = torch.tensor([1.0, 0, 0, 1, 0, 1, 0, 0])
@@ -143,7 +145,8 @@ def test_every_registered_rl_algorithm_runs_through_the_contract():
     step_mask[:, 0] = 1.0  # one step per response (for process-supervised algorithms)
     rollout = make_rollout(rewards=correct, correct=correct, group=torch.arange(8) // 4, response_mask=mask,
                            old_logprobs=torch.full((8, 5), -1.0), ref_logprobs=torch.full((8, 5), -1.1),
-                           values=torch.full((8, 5), 0.5), max_new_tokens=5,
+                           values=torch.full((8, 5), 0.5), teacher_logprobs=torch.full((8, 5), -0.9),
+                           max_new_tokens=5,
                            step_rewards=step_mask * torch.linspace(0, 1, 8)[:, None], step_mask=step_mask)
     for entry in rl:
         algo = entry.obj()

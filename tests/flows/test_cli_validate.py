@@ -54,8 +54,11 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert by_name[("algorithm", "dpo")]["config_schema"]["properties"]["beta"]["exclusiveMinimum"] == 0.0
     names = {(r["kind"], r["name"]) for r in rows if r["distribution"] == "alignflow"}
     algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo",
-                  "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo"}
-    rewards = {"math_accuracy", "format", "overlong", "length", "code_exec", "reward_model", "judge"}
+                  "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
+                      "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
+                      "expo"}
+    rewards = {"math_accuracy", "format", "overlong", "length", "length_penalty", "code_exec", "reward_model",
+               "judge"}
     assert {("algorithm", a) for a in algorithms} <= names
     assert {("reward", r) for r in rewards} <= names
     assert ("sampler", "hf") in names

@@ -91,6 +91,8 @@ def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, na
         with_prm(ctx, tiny, tmp_path)
     else:
         ctx = make_ctx(tmp_path, plugins, tiny, name, data, log)
+    if algo.requires_teacher:  # another model, so that the distillation advantages are not ~0
+        ctx.inputs["teacher"] = build_tiny(tmp_path / "teacher", seed=1)
     result = run_rl(ctx)
     assert [step for step, _ in log[:-1]] == [1, 2] and result.metrics["steps"] == 2
     for _, metrics in log[:-1]:
