@@ -233,11 +233,13 @@ def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, to
                                     [g for g, _ in mine], process_reward)
     samples = whole_round(samples)
     ok = [i for i, correct in enumerate(samples.correct) if correct]
-    accepted = replace(samples.take(ok), counts={}, guided=[True] * len(ok))
-    accepted.prompt_ids = prompt_ids(tokenizer, [sources[g] for g in accepted.group])
     metrics.update({"guided/rows": float(len(ok)), "guided/accept_rate": len(ok) / len(samples),
                     "time/guided": time.perf_counter() - start})
-    return (accepted if ok else None), metrics
+    if not ok:  # no self-explanation reached the answer: nothing to add
+        return None, metrics
+    accepted = replace(samples.take(ok), counts={}, guided=[True] * len(ok))
+    accepted.prompt_ids = prompt_ids(tokenizer, [sources[g] for g in accepted.group])
+    return accepted, metrics
 
 
 def whole_round(samples: Samples) -> Samples:

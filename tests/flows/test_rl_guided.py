@@ -39,6 +39,25 @@ def rows():
     return [{"prompt": f"{i}+{i}=", "answer": a} for i, a in enumerate(ANSWERS)]
 
 
+def never_hinted(prompts, completions, answer, **columns):
+    """1 for an "easy" row only: no self-explanation is ever accepted."""
+    return [float(a == "easy") for a in answer]
+
+
+def test_a_step_where_no_self_explanation_is_accepted_adds_no_row(tiny, one_thread):
+    # The r1-tiny run hit this on its first step: unsolved groups, hints generated, none correct.
+    tok, model = load_tokenizer(tiny), load_model(tiny)
+    sampler = HFSampler()
+    sampler.load(model, tok)
+    settings = RLSettings(max_steps=1, prompts_per_step=4, group_size=3, micro_batch_size=4,
+                          generation={"max_new_tokens": 5, "temperature": 0.8})
+    rewards = RewardSet([Reward("never_hinted", 1.0, never_hinted)])
+    kept, _, metrics = collect(SimpleNamespace(settings=settings, seed=0), 0, rows(), sampler, tok, rewards,
+                               ExPO(ExPOConfig(guided_samples=2)), tok.pad_token_id)
+    assert kept.guided is None and len(kept) == 12
+    assert (metrics["guided/groups"], metrics["guided/rows"], metrics["guided/accept_rate"]) == (2.0, 0.0, 0.0)
+
+
 def test_guided_rows_only_for_unsolved_groups_after_the_plain_prompt(tiny, one_thread):
     tok, model = load_tokenizer(tiny), load_model(tiny)
     sampler = HFSampler()
