@@ -82,6 +82,8 @@ class ExPO(GRPO):
         guided = batch.guided[:, None]
         # GRPO's per-token loss does not read the mask; its metrics then count the ordinary rows only.
         loss, metrics = super().loss(replace(batch, response_mask=batch.response_mask * ~guided))
+        if batch.guided.all():  # no ordinary row: its ratio and clip metrics would read 0 and drag the step's mean
+            metrics = {}
         nll = -batch.logprobs
         loss = torch.where(guided, self.config.sft_coef * nll, loss)
         metrics["expo/sft_nll"] = masked_mean(nll, batch.response_mask * guided).detach()

@@ -110,3 +110,13 @@ def test_without_guided_rows_it_is_grpo():
     # a rollout whose guided flags are all False is the same as one without them
     flagged = rollout(guided=torch.zeros(5, dtype=torch.bool))
     torch.testing.assert_close(ExPO().advantages(flagged)[0], GRPO().advantages(flagged)[0])
+
+
+def test_a_micro_batch_of_guided_rows_only_reports_no_ratio_metrics():
+    # The stage averages each metric over the micro-batches that report it: a 0 ratio from a micro-batch
+    # without ordinary rows read 0.8 for a step whose ratios were all 1 (the r1-tiny run).
+    r = rollout().select(GUIDED)
+    logprobs = LOGPROBS[GUIDED].clone().requires_grad_()
+    _, metrics = ExPO().loss(r.minibatch(torch.arange(1), logprobs=logprobs, advantages=torch.zeros(1, 3)))
+    assert set(metrics) == {"expo/sft_nll"}
+    assert metrics["expo/sft_nll"].item() == pytest.approx((0.5 + 1.5) / 2)  # row 2's two tokens
