@@ -53,7 +53,7 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert by_name[("algorithm", "dpo")]["stage"] == "preference" and by_name[("reward", "format")]["stage"] is None
     assert by_name[("algorithm", "dpo")]["config_schema"]["properties"]["beta"]["exclusiveMinimum"] == 0.0
     names = {(r["kind"], r["name"]) for r in rows if r["distribution"] == "alignflow"}
-    algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo",
+    algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo", "spin",
                   "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
                       "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
                       "expo"}
