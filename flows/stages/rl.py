@@ -284,8 +284,9 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
         fill["values"] = partial(critic_values, p.critic.model)
     batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens).to(p.engine.device)
     batch = prepare(batch, s.micro_batch_size, **fill)
-    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one.
-    batch = rescore_guided(batch, s.micro_batch_size, logprobs(p.engine.model))
+    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
+    # taken when `fill` recomputed pi_old for every row).
+    batch = rescore_guided(batch, s.micro_batch_size, None if "old_logprobs" in fill else logprobs(p.engine.model))
     # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
     batch = restore(batch, len(fresh), picked)
     p.replay.add(step, fresh, batch.rollout)

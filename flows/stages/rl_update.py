@@ -60,16 +60,20 @@ def prepare(batch: Batch, micro: int, **fill) -> Batch:
     return replace(batch, rollout=replace(batch.rollout, **{k: stitched(batch, micro, fn) for k, fn in fill.items()}))
 
 
-def rescore_guided(batch: Batch, micro: int, fn) -> Batch:
+def rescore_guided(batch: Batch, micro: int, fn=None) -> Batch:
     """The batch with the `old_logprobs` and `sampler_logprobs` of its guided rows set to fn(ids, attention, mask)
     on their sequences: the plain prompt then the completion. The sampler's were of the completion after the
     hinted prompt, a distribution no loss term compares with; after this a guided row's pi_old is the policy
-    after the plain prompt, and its sampler/trainer gap (the mismatch metrics, `tis_cap`) is 0."""
+    after the plain prompt, and its sampler/trainer gap (the mismatch metrics, `tis_cap`) is 0. `fn=None`:
+    `old_logprobs` already hold that forward (recomputed on every row), only the sampler's are replaced."""
     r = batch.rollout
     if r.guided is None or not r.guided.any():
         return batch
     rows = r.guided.nonzero().flatten()
-    plain = stitched(Batch(batch.input_ids[rows], batch.attention_mask[rows], r.select(rows)), micro, fn)
+    if fn is None:
+        plain = r.old_logprobs[rows]
+    else:
+        plain = stitched(Batch(batch.input_ids[rows], batch.attention_mask[rows], r.select(rows)), micro, fn)
     old = r.old_logprobs.clone()
     old[rows] = plain
     sampled = None if r.sampler_logprobs is None else r.sampler_logprobs.clone()

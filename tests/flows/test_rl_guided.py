@@ -5,6 +5,8 @@ import json
 import math
 from types import SimpleNamespace
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -44,31 +46,29 @@ def never_hinted(prompts, completions, answer, **columns):
     return [float(a == "easy") for a in answer]
 
 
-def test_a_step_where_no_self_explanation_is_accepted_adds_no_row(tiny, one_thread):
-    # The r1-tiny run hit this on its first step: unsolved groups, hints generated, none correct.
+def collect_step(tiny, reward, dataset):
+    """Step 0's samples of 4 prompts x 3 with 2 guided samples per unsolved group, the tokenizer and model."""
     tok, model = load_tokenizer(tiny), load_model(tiny)
     sampler = HFSampler()
     sampler.load(model, tok)
     settings = RLSettings(max_steps=1, prompts_per_step=4, group_size=3, micro_batch_size=4,
                           generation={"max_new_tokens": 5, "temperature": 0.8})
-    rewards = RewardSet([Reward("never_hinted", 1.0, never_hinted)])
-    kept, _, metrics = collect(SimpleNamespace(settings=settings, seed=0), 0, rows(), sampler, tok, rewards,
-                               ExPO(ExPOConfig(guided_samples=2)), tok.pad_token_id)
+    rewards = RewardSet([Reward(reward.__name__, 1.0, reward)])
+    kept, drawn, metrics = collect(SimpleNamespace(settings=settings, seed=0), 0, dataset, sampler, tok, rewards,
+                                   ExPO(ExPOConfig(guided_samples=2)), tok.pad_token_id)
+    return kept, drawn, metrics, tok, model
+
+
+def test_a_step_where_no_self_explanation_is_accepted_adds_no_row(tiny, one_thread):
+    # The r1-tiny run hit this on its first step: unsolved groups, hints generated, none correct.
+    kept, _, metrics, _, _ = collect_step(tiny, never_hinted, rows())
     assert kept.guided is None and len(kept) == 12
     assert (metrics["guided/groups"], metrics["guided/rows"], metrics["guided/accept_rate"]) == (2.0, 0.0, 0.0)
 
 
 def test_guided_rows_only_for_unsolved_groups_after_the_plain_prompt(tiny, one_thread):
-    tok, model = load_tokenizer(tiny), load_model(tiny)
-    sampler = HFSampler()
-    sampler.load(model, tok)
-    settings = RLSettings(max_steps=1, prompts_per_step=4, group_size=3, micro_batch_size=4,
-                          generation={"max_new_tokens": 5, "temperature": 0.8})
-    ctx = SimpleNamespace(settings=settings, seed=0)
-    rewards = RewardSet([Reward("easy_or_hinted", 1.0, easy_or_hinted)])
     dataset = rows()
-    kept, drawn, metrics = collect(ctx, 0, dataset, sampler, tok, rewards, ExPO(ExPOConfig(guided_samples=2)),
-                                   tok.pad_token_id)
+    kept, drawn, metrics, tok, model = collect_step(tiny, easy_or_hinted, dataset)
     assert drawn.guided is None and len(drawn) == 12  # the sampled rounds: 4 prompts x 3, none guided
     assert kept.guided == [False] * 12 + [True] * 4
     prompt_of = {g: tok.decode(p) for g, p in zip(kept.group[:12], kept.prompt_ids[:12])}
@@ -108,6 +108,11 @@ def test_guided_rows_only_for_unsolved_groups_after_the_plain_prompt(tiny, one_t
         assert (after_plain - after_hint).abs().max() > 1e-2  # so the test tells the two apart
     ordinary = ~r.guided
     assert torch.equal(rescored.old_logprobs[ordinary], r.old_logprobs[ordinary])
+    # pi_old already recomputed on every row (recompute_old_logprobs): no second forward, mu set to it
+    recomputed = replace(batch, rollout=replace(r, old_logprobs=rescored.old_logprobs))
+    again = rescore_guided(recomputed, 4).rollout
+    assert torch.equal(again.old_logprobs, rescored.old_logprobs)
+    assert torch.equal(again.sampler_logprobs[r.guided], rescored.old_logprobs[r.guided])
 
 
 class Spy(ExPO):
