@@ -3,9 +3,8 @@ correct completion, after the hinted prompt, and scored (pi_old, the update) aft
 
 import json
 import math
-from types import SimpleNamespace
-
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
