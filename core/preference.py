@@ -15,12 +15,14 @@ which returns `(loss, metrics)`:
 Sequence log-probs are always *summed* over completion tokens (prompt masked) and come with the
 completion token counts: an algorithm that needs per-token averages (IPO, SimPO, ORPO) divides by
 the counts itself, so a stage computes one thing for every algorithm and caches reference log-probs once.
+An algorithm whose loss is per token (BNF) sets `needs_token_logprobs` and also gets `TokenLogps`:
+per-token log-probs of both completions under the policy and the reference, and the policy's entropy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -47,6 +49,20 @@ class SequenceLogps:
 
 
 @dataclass(frozen=True)
+class TokenLogps:
+    """Per-token terms of one set of completions, for `needs_token_logprobs` algorithms; 0 off `mask`.
+
+    `entropy` is the policy's (None for the reference), detached. It stands in for the full distribution
+    where a loss needs sum_v sg(p_v) log p_v: that is -H in value and has zero gradient
+    (sum_v p_v grad log p_v = grad sum_v p_v = 0), so no [N, T, V] tensor leaves the stage.
+    """
+
+    logps: Tensor  # [N, T] log pi(y_t | x, y_<t) at completion tokens
+    mask: Tensor  # [N, T] bool, True on completion tokens
+    entropy: Tensor | None = None  # [N, T] H(pi(. | x, y_<t)), no gradient
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """SFT: per-token log-probs of the labels and the mask of tokens that are trained on."""
 
@@ -67,6 +83,11 @@ class PairBatch:
     ref_rejected_logps: Tensor | None = None
     chosen_nll_logps: Tensor | None = None  # [B] policy log-probs of y_w summed over `nll_scope` tokens
     chosen_nll_tokens: Tensor | None = None  # [B] tokens in `nll_scope`
+    # with `needs_token_logprobs`: per-token terms (chosen and rejected are padded to their own widths)
+    chosen_tokens: TokenLogps | None = None  # policy, with entropy
+    rejected_tokens: TokenLogps | None = None
+    ref_chosen_tokens: TokenLogps | None = None  # reference, when `requires_reference`
+    ref_rejected_tokens: TokenLogps | None = None
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,8 @@ class OfflineAlgorithm(Algorithm):
     # micro-batches: the ranks do not share out the held-out rows
     loss_reduces_over_ranks: ClassVar[bool] = False
     nll_scope: NllScope | None = None  # which chosen tokens an added NLL term covers; None: no NLL term
+    # per-token log-probs and policy entropy in the batch as `TokenLogps` (pairs only), besides the sums
+    needs_token_logprobs: ClassVar[bool] = False
 
     def loss(self, batch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor | Mean]]:
         raise NotImplementedError
@@ -177,11 +200,19 @@ def mismatched_pairs(n: int) -> Tensor:
     return (torch.arange(n) + 1) % n
 
 
-# scorer(name, scope) -> the micro-batch's summed log-probs of one set of sequences. Names:
-# "chosen", "rejected" (pairs), "completion", "kl" (unpaired; "kl" = prompt i + completion
-# mismatched_pairs(n)[i]). A stage runs the model once per set and sums under the asked scope,
-# or looks up cached reference log-probs ("kl" pairs change with the micro-batch: compute them).
-Scorer = Callable[[str, NllScope], SequenceLogps]
+class Scorer(Protocol):
+    """One micro-batch's log-probs of named sets of sequences: "chosen", "rejected" (pairs), "completion",
+    "kl" (unpaired; "kl" = prompt i + completion mismatched_pairs(n)[i]).
+
+    A stage runs the model once per set and sums under the asked scope, or looks up cached reference
+    log-probs ("kl" pairs change with the micro-batch: compute them).
+    """
+
+    def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
+        """Log-probs summed over the set's tokens in `scope`."""
+
+    def tokens(self, name: str) -> TokenLogps:
+        """Per-token completion log-probs (and the policy's entropy): asked only by `needs_token_logprobs`."""
 
 
 def build_batch(
@@ -192,6 +223,8 @@ def build_batch(
         raise ValueError(f"{type(algo).__name__} requires reference log-probs, but no reference scorer was given")
     ref = reference if algo.requires_reference else None
     if algo.requires_labels:
+        if algo.needs_token_logprobs:
+            raise ValueError(f"{type(algo).__name__}: per-token log-probs are built for pairs only")
         if labels is None:
             raise ValueError(f"{type(algo).__name__} requires a desirable/undesirable label per example")
         return _unpaired_batch(algo, policy, ref, labels)
@@ -203,12 +236,18 @@ def _pair_batch(algo: OfflineAlgorithm, policy: Scorer, ref: Scorer | None) -> P
     nll = policy("chosen", algo.nll_scope) if algo.nll_scope is not None else None
     ref_chosen = ref("chosen", "completion") if ref is not None else None
     ref_rejected = ref("rejected", "completion") if ref is not None else None
+    tokens = algo.needs_token_logprobs
+    ref_tokens = tokens and ref is not None
     return PairBatch(
         chosen.logps, rejected.logps, chosen.lengths, rejected.lengths,
         ref_chosen.logps if ref_chosen is not None else None,
         ref_rejected.logps if ref_rejected is not None else None,
         nll.logps if nll is not None else None,
         nll.lengths if nll is not None else None,
+        policy.tokens("chosen") if tokens else None,
+        policy.tokens("rejected") if tokens else None,
+        ref.tokens("chosen") if ref_tokens else None,
+        ref.tokens("rejected") if ref_tokens else None,
     )
 
 

@@ -2,9 +2,10 @@
 
 The loop is the shared offline one; this file only says how rows become a batch: the policy is run
 once per sequence set of a micro-batch and `build_batch` asks for what the algorithm's flags need.
-The frozen reference's summed completion log-probs are computed once per dataset before training
-and kept in the checkpoint folder, so a resumed run reads them back instead of recomputing.
-Only KTO-style mismatched pairs ("kl") change with the micro-batch and run the reference live.
+The frozen reference's summed completion log-probs (and, for `needs_token_logprobs`, its per-token
+ones) are computed once per dataset before training and kept in the checkpoint folder, so a resumed
+run reads them back instead of recomputing. Only KTO-style mismatched pairs ("kl") change with the
+micro-batch and run the reference live.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from alignflow.core.data import IGNORE_INDEX, collate, truncate
 from alignflow.core.engine import Engine, frozen
 from alignflow.core.models import token_logprobs
-from alignflow.core.preference import NllScope, SequenceLogps, build_batch, mismatched_pairs
+from alignflow.core.preference import NllScope, SequenceLogps, TokenLogps, build_batch, mismatched_pairs
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
@@ -29,6 +30,9 @@ from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for,
 # Scorer set name -> the prefix of its columns in a collated micro-batch.
 PREFIX = {"chosen": "chosen_", "rejected": "rejected_", "completion": "", "kl": "kl_"}
 REFERENCE_CACHE = "reference_logps.pt"
+# Cache keys of a set's per-token reference log-probs: every row's completion tokens end to end, and
+# where each row starts in them ([rows + 1]).
+TOKENS, OFFSETS = "{}/tokens", "{}/offsets"
 
 
 def scored_mask(micro: dict, name: str, scope: NllScope) -> torch.Tensor:
@@ -50,15 +54,29 @@ class SequenceScorer:
     micro: dict
     widest: NllScope  # the widest scope asked for: "sequence" also computes prompt logits
     device: torch.device
+    entropy: bool = False  # also the per-token entropy, for `tokens`
     token_logps: dict[str, torch.Tensor] = field(default_factory=dict)
+    entropies: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
+    def _forward(self, name: str) -> torch.Tensor:
         if name not in self.token_logps:
             p, to = PREFIX[name], self.device
             ids, attn = self.micro[p + "input_ids"].to(to), self.micro[p + "attention_mask"].to(to)
             wanted = scored_mask(self.micro, name, self.widest).to(to)
-            self.token_logps[name] = token_logprobs(self.model, ids, attn, wanted)
-        return SequenceLogps.of(self.token_logps[name], scored_mask(self.micro, name, scope).to(self.device))
+            out = token_logprobs(self.model, ids, attn, wanted, return_entropy=self.entropy)
+            if self.entropy:
+                out, ent = out
+                self.entropies[name] = ent.detach()  # frees the entropy's graph (a [N, T, V] softmax)
+            self.token_logps[name] = out
+        return self.token_logps[name]
+
+    def __call__(self, name: str, scope: NllScope) -> SequenceLogps:
+        return SequenceLogps.of(self._forward(name), scored_mask(self.micro, name, scope).to(self.device))
+
+    def tokens(self, name: str) -> TokenLogps:
+        logps = self._forward(name)
+        mask = scored_mask(self.micro, name, "completion").to(self.device)
+        return TokenLogps(torch.where(mask, logps, 0.0), mask, self.entropies.get(name))
 
 
 @dataclass
@@ -78,6 +96,19 @@ class CachedReference:
             raise ValueError(f"only completion log-probs of the reference are cached, not {scope!r} ones")
         lengths = scored_mask(self.micro, name, scope).sum(-1)
         return SequenceLogps(self.cache[name][self.micro["row"]].to(self.device), lengths.to(self.device))
+
+    def tokens(self, name: str) -> TokenLogps:
+        """The cached per-token log-probs of the micro-batch's rows, laid out on its completion tokens."""
+        if TOKENS.format(name) not in self.cache:
+            raise ValueError(f"per-token reference log-probs of {name!r} sequences are not cached")
+        flat, offsets = self.cache[TOKENS.format(name)], self.cache[OFFSETS.format(name)]
+        mask = scored_mask(self.micro, name, "completion")
+        rows = self.micro["row"].tolist()
+        if mask.sum(-1).tolist() != [int(offsets[r + 1] - offsets[r]) for r in rows]:
+            raise ValueError(f"cached reference tokens of {name!r} do not match the micro-batch's completions")
+        out = torch.zeros(mask.shape, dtype=flat.dtype)
+        out[mask] = torch.cat([flat[offsets[r]:offsets[r + 1]] for r in rows])  # row-major, as cached
+        return TokenLogps(out.to(self.device), mask.to(self.device))
 
 
 def split_row(row: dict) -> tuple[list[int], list[int]]:
@@ -102,17 +133,29 @@ def reference_sets(algo) -> list[str]:
 
 
 @torch.no_grad()
-def reference_logps(reference, rows, sets: list[str], micro: int, pad_id: int, device) -> dict[str, torch.Tensor]:
-    """Summed completion log-probs of every row under the reference, one [rows] tensor per set."""
-    out: dict[str, list[torch.Tensor]] = {name: [] for name in sets}
+def reference_logps(reference, rows, sets: list[str], micro: int, pad_id: int, device,
+                    tokens: bool = False) -> dict[str, torch.Tensor]:
+    """Summed completion log-probs of every row under the reference, one [rows] tensor per set; with
+    `tokens`, also each set's per-token log-probs (`TOKENS`, `OFFSETS`)."""
+    keys = [key.format(name) for name in sets for key in (["{}", TOKENS, "{}/lengths"] if tokens else ["{}"])]
+    out: dict[str, list[torch.Tensor]] = {key: [] for key in keys}
     for m in micro_batches(rows, list(range(len(rows))), micro, lambda r: collate(r, pad_id)):
         score = SequenceScorer(reference, m, "completion", device)
         for name in sets:
             out[name].append(score(name, "completion").logps.float().cpu())
-    return {name: torch.cat(parts) for name, parts in out.items()}
+            if tokens:
+                per_token = score.tokens(name)
+                out[TOKENS.format(name)].append(per_token.logps[per_token.mask].float().cpu())
+                out[f"{name}/lengths"].append(per_token.mask.sum(-1).cpu())
+    caches = {key: torch.cat(parts) for key, parts in out.items()}
+    for name in sets if tokens else []:
+        lengths = caches.pop(f"{name}/lengths")
+        caches[OFFSETS.format(name)] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return caches
 
 
-def cached_reference(ctx: StageContext, reference, splits: dict, sets: list[str], pad_id: int, device):
+def cached_reference(ctx: StageContext, reference, splits: dict, sets: list[str], pad_id: int, device,
+                     tokens: bool = False):
     """{split: {set: log-probs}} from the checkpoint folder, else computed once and saved there."""
     path = ctx.checkpoint_dir / REFERENCE_CACHE
     found = path.is_file()
@@ -120,7 +163,7 @@ def cached_reference(ctx: StageContext, reference, splits: dict, sets: list[str]
         dist.barrier()  # every rank has looked before rank 0 writes: they all compute, or all load
     if found:
         return torch.load(path)
-    caches = {k: reference_logps(reference, rows, sets, ctx.settings.micro_batch_size, pad_id, device)
+    caches = {k: reference_logps(reference, rows, sets, ctx.settings.micro_batch_size, pad_id, device, tokens)
               for k, rows in splits.items() if rows is not None}
     if not dist.is_initialized() or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +181,7 @@ def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | No
         return collate(with_kl_rows(rows, max_length) if algo.needs_kl_pairs else rows, pad_id)
 
     def batch(micro: dict):
-        policy = SequenceScorer(engine.model, micro, widest, engine.device)
+        policy = SequenceScorer(engine.model, micro, widest, engine.device, algo.needs_token_logprobs)
         live = SequenceScorer(reference, micro, "completion", engine.device) if reference is not None else None
         ref = CachedReference(cache, micro, live, engine.device) if cache is not None else None
         return build_batch(algo, policy, ref, micro.get("label"))
@@ -174,7 +217,8 @@ def run_preference(ctx: StageContext) -> StageResult:
     if reference is not None:
         reference = frozen(reference, s)
         splits = {"train": train, "eval": held_out}
-        caches = cached_reference(ctx, reference, splits, reference_sets(algo), pad_id, engine.device)
+        caches = cached_reference(ctx, reference, splits, reference_sets(algo), pad_id, engine.device,
+                                  algo.needs_token_logprobs)
         if not algo.needs_kl_pairs:
             reference = None  # every reference log-prob it needs is cached: free the model
 

@@ -8,7 +8,7 @@ import pytest
 from alignflow.core import Algorithm, PluginError, hookimpl
 from alignflow.core.plugins import Plugins, get_plugins, load_entry_points, reset_plugins
 
-BUILTIN_ALGORITHMS = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo", "spin",
+BUILTIN_ALGORITHMS = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo", "spin", "bnf", "implicit_prm",
                       "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
                       "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
                       "expo"}

@@ -53,12 +53,12 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert by_name[("algorithm", "dpo")]["stage"] == "preference" and by_name[("reward", "format")]["stage"] is None
     assert by_name[("algorithm", "dpo")]["config_schema"]["properties"]["beta"]["exclusiveMinimum"] == 0.0
     names = {(r["kind"], r["name"]) for r in rows if r["distribution"] == "alignflow"}
-    algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo", "spin",
+    algorithms = {"sft", "bradley_terry", "dpo", "ipo", "kto", "orpo", "simpo", "spin", "bnf", "implicit_prm",
                   "grpo", "dapo", "dr_grpo", "lambda_grpo", "reinforce_pp", "rloo", "disco", "ppo",
                       "ngrpo", "gspo", "gmpo", "cispo", "sapo", "kimi", "offpolicy_grpo", "distill", "rto",
                       "expo"}
     rewards = {"math_accuracy", "format", "overlong", "length", "length_penalty", "code_exec", "reward_model",
-               "judge"}
+               "judge", "implicit_prm"}
     assert {("algorithm", a) for a in algorithms} <= names
     assert {("reward", r) for r in rewards} <= names
     assert ("sampler", "hf") in names
