@@ -65,7 +65,8 @@ def alignflow_side(args) -> list[dict]:
         m = rl.rl_step(ctx, parts, step)
         steps.append({"completions": SHAPE["prompts"] * SHAPE["group_size"], "tokens": m["perf/tokens"],
                       "accuracy": m["accuracy"], "generate": m["time/generate"], "score": m["time/score"],
-                      "train": m["time/prepare"] + m["time/train"], "step": m["time/step"]})
+                      "train": m["time/prepare"] + m["time/train"], "step": m["time/step"],
+                      "skipped_rows": m["actor/skipped_rows"]})
     parts.sampler.close()  # a rollout worker ends here, so its peak memory is counted below
     return steps
 
@@ -185,7 +186,9 @@ def side_summary(runs: list[dict], warmup: int) -> dict:
             "accuracy": [round(s["accuracy"], 4) for s in steps],
             "time_s": time_s, "time_share": {k: time_s[k] / time_s["step"] for k in PARTS[:-1]},
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
-            "children_peak_rss_mb": max(r["children_peak_rss_mb"] for r in runs)}
+            "children_peak_rss_mb": max(r["children_peak_rss_mb"] for r in runs),
+            # rows the update did not forward: their loss and gradient are exactly 0 (TRL computes them)
+            "skipped_rows": statistics.mean(s.get("skipped_rows", 0.0) for s in steps)}
 
 
 def pair_ratio(a: dict, b: dict, warmup: int) -> float:

@@ -214,8 +214,9 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     Logits are computed only from the first labelled column on (`logits_to_keep`), so a long
     prompt costs no vocabulary-sized memory. With `return_entropy`, also the policy's entropy at
     each position (same alignment), from the same forward pass. With `packed`, the rows' real tokens
-    are packed end to end into as few rows of max(T, PACK_WIDTH) tokens as hold them (see
-    `packed_token_logprobs`): the same values, without the compute of padding.
+    are packed end to end into as few rows of max(T, PACK_WIDTH) tokens as hold them, rows with the same
+    prompt sharing one copy of it (see core/packing.py): the same values, without the compute of padding and
+    of repeated prompts.
     """
     B, T = input_ids.shape
     mask = attention_mask.bool().clone()
@@ -224,6 +225,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     # A sequence's first real token has no prefix to be predicted from (left padding included).
     mask[:, 0] = False
     mask[:, 1:] &= attention_mask[:, :-1].bool()
+    from alignflow.core.packing import packed_token_logprobs, packing_works  # it uses this module's helpers
+
     if packed and B > 1 and packing_works(model):
         return packed_token_logprobs(model, input_ids, attention_mask, mask, temperature, return_entropy)
     cols = mask.any(0).nonzero()
@@ -240,85 +243,3 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     ent = torch.zeros_like(out)
     ent[:, start:] = entropy_from_logits(logits)
     return out, ent.masked_fill(~mask, 0.0)
-
-
-PACK_WIDTH = 256  # tokens per packed row at least: attention over it costs little beside the matmuls
-
-
-def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
-    """Rows into bins of `width` tokens, first fit in decreasing length: each bin's rows, in order."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
-        slot = next((i for i, free in enumerate(room) if free >= lengths[row]), None)
-        if slot is None:
-            bins.append([])
-            room.append(width)
-            slot = len(bins) - 1
-        bins[slot].append(row)
-        room[slot] -= lengths[row]
-    return bins
-
-
-def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, temperature: float,
-                          return_entropy: bool):
-    """`token_logprobs` on packed rows: each sequence keeps its own positions 0..L-1 in a shared row, which
-    transformers' attention reads as separate sequences (a block-diagonal causal mask, from position ids
-    that restart), so a token attends to its own sequence only. Real tokens of a row must be contiguous
-    (left or right padding)."""
-    B, T = input_ids.shape
-    device = input_ids.device
-    lengths = attention_mask.sum(-1).tolist()
-    starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
-    W = max(T, PACK_WIDTH)  # packed row width: several short rows per packed row
-    bins = pack_rows(lengths, W)
-    src, dst, pos = [], [], []  # flat [B*T] source index, flat [P*W] packed index; positions of all P*W
-    for p, rows in enumerate(bins):
-        offset = 0
-        for row in rows:
-            n = lengths[row]
-            src.append(torch.arange(n) + row * T + starts[row])
-            dst.append(torch.arange(n) + p * W + offset)
-            pos.append(torch.arange(n))
-            offset += n
-        pos.append(torch.arange(W - offset))  # the free tail counts 0, 1, ... as one more sequence
-    src_i, dst_i = torch.cat(src).to(device), torch.cat(dst).to(device)
-    packed = torch.zeros(len(bins) * W, dtype=input_ids.dtype, device=device)
-    packed[dst_i] = input_ids.reshape(-1)[src_i]
-    positions = torch.cat(pos).to(device)  # restarting at 0 with each sequence
-    logits = model(packed.view(len(bins), W), position_ids=positions.view(len(bins), W), use_cache=False).logits
-    # Token at flat source index src+1 is predicted by the logits at the packed position of src.
-    flat_mask = mask.reshape(-1)
-    keep = torch.zeros_like(src_i, dtype=torch.bool)
-    keep[:-1] = (src_i[1:] == src_i[:-1] + 1)  # the next source token belongs to the same row
-    keep &= flat_mask[(src_i + 1).clamp(max=B * T - 1)]
-    at, target = dst_i[keep], src_i[keep] + 1
-    picked = logits.view(-1, logits.shape[-1])[at]
-    if temperature != 1.0:
-        picked = picked / temperature
-    out = torch.zeros(B * T, dtype=torch.float32, device=device)
-    out = out.index_put((target,), logprobs_from_logits(picked, input_ids.reshape(-1)[target]))
-    if not return_entropy:
-        return out.view(B, T)
-    ent = torch.zeros_like(out).index_put((target,), entropy_from_logits(picked[None])[0])
-    return out.view(B, T), ent.view(B, T)
-
-
-_PACKING: dict[type, bool] = {}
-
-
-def packing_works(model) -> bool:
-    """Whether `model`'s attention separates packed sequences (transformers' own position-id detection):
-    checked once per model class on two short sequences, packed against apart."""
-    model = getattr(model, "module", model)  # a DeepSpeed engine's module
-    kind = type(model)
-    if kind not in _PACKING:
-        ids = torch.arange(1, 9, device=model.device).remainder(model.config.vocab_size)[None]
-        with torch.no_grad():
-            apart = torch.cat([model(ids[:, :5], use_cache=False).logits, model(ids[:, 5:], use_cache=False).logits], 1)
-            packed = model(ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=model.device),
-                           use_cache=False).logits
-        _PACKING[kind] = bool(torch.allclose(apart.float(), packed.float(), atol=1e-3, rtol=1e-3))
-        if not _PACKING[kind]:
-            log.warning("%s does not separate packed sequences: padded batches instead", kind.__name__)
-    return _PACKING[kind]

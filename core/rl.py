@@ -192,6 +192,12 @@ class RLAlgorithm(Algorithm):
         """Completions drawn after each `guided_prompt`."""
         return 0
 
+    def inert_rows(self, rollout: Rollout, advantages: Tensor) -> Tensor | None:
+        """[B] bool: rows whose per-token loss is exactly 0 with a zero gradient, which the stage then does not
+        forward or backward at all (they still count in the step's normaliser, so the gradient is unchanged).
+        None (default): every row is trained."""
+        return None
+
     def norm_constant(self, rollout: Rollout) -> float | None:
         """StepNorm.constant for `seq-mean-token-sum-norm`; None when the mode needs none."""
         return None
@@ -235,6 +241,18 @@ class PolicyGradient(RLAlgorithm):
 
     def uses_reference(self) -> bool:
         return self.config.kl_loss_coef > 0
+
+    def inert_rows(self, rollout: Rollout, advantages: Tensor) -> Tensor | None:
+        """The rows of groups whose every advantage is 0 (e.g. GRPO groups that all pass or all fail): the
+        surrogate is advantage x ratio, so their loss and gradient are 0 unless a KL term or a critic reads
+        them. Whole groups only, so a loss that couples a group's rows (λ-GRPO's weights) sees all or none."""
+        if self.config.kl_loss_coef > 0 or self.requires_critic:
+            return None
+        zero = ((advantages != 0) & rollout.response_mask.bool()).sum(-1) == 0
+        _, inverse = torch.unique(rollout.group, return_inverse=True)
+        live = torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=torch.long, device=zero.device)
+        live.index_add_(0, inverse, (~zero).long())
+        return live[inverse] == 0
 
     def surrogate_weights(self, batch: PolicyBatch) -> Tensor | None:
         """[b] per-response weights on the surrogate (λ-GRPO); None for uniform."""

@@ -76,6 +76,12 @@ class ExPO(GRPO):
         scores[plain] = group_normalize(rollout.rewards[plain], rollout.group[plain], scale=self.config.scale_rewards)
         return broadcast(scores, rollout.response_mask), None
 
+    def inert_rows(self, rollout: Rollout, advantages: Tensor) -> Tensor | None:
+        inert = super().inert_rows(rollout, advantages)
+        if inert is None or rollout.guided is None:
+            return inert
+        return inert & ~rollout.guided  # a guided row's loss is its SFT term, whatever its advantage
+
     def loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         if batch.guided is None or not batch.guided.any():
             return super().loss(batch)

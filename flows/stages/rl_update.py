@@ -99,6 +99,7 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
     """
     r, s = batch.rollout, settings
     rank, world = rank_and_world()
+    inert = algo.inert_rows(r, advantages)
     micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
     step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
     step_losses: list[float] = []  # this rank's share of each step's loss
@@ -106,12 +107,17 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
     for epoch in range(s.ppo_epochs):
         for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
             micro = chunks(minibatch, s.micro_batch_size)
+            norm = engine.step_norm([r.response_mask[m] for m in micro[rank::world]], algo.norm_constant(r))
+            if inert is not None:  # the normaliser counts them; no forward or backward does
+                micro = chunks(minibatch[~inert[minibatch]], s.micro_batch_size) or micro[:1]
+                weight = 0.0 if inert[micro[0]].all() else 1.0  # all inert: a zero gradient, as if computed
+            else:
+                weight = 1.0
             mine = micro[rank::world]
-            norm = engine.step_norm([r.response_mask[m] for m in mine], algo.norm_constant(r))
             step_loss = 0.0
             for rows in mine:
                 metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature,
-                                          tis_cap=s.tis_cap, measure=epoch == 0 and index == 0,
+                                          weight=weight, tis_cap=s.tis_cap, measure=epoch == 0 and index == 0,
                                           packed=s.pack_sequences)
                 if epoch == 0:
                     entropy += ent
@@ -131,6 +137,7 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
         dist.all_reduce(entropy)
     out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
     out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
+    out["actor/skipped_rows"] = 0.0 if inert is None else inert.float().mean().item()
     return out
 
 

@@ -7,8 +7,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from alignflow.core.errors import AlignflowError
 from alignflow.core.models import (
     build_tiny, entropy_from_logits, load_model, load_tokenizer, load_value_model,
-    logprobs_from_logits, pack_rows, packing_works, position_ids, sequence_scores, token_logprobs, token_values,
+    logprobs_from_logits, position_ids, sequence_scores, token_logprobs, token_values,
 )
+from alignflow.core.packing import pack_rows, packing_works
 
 
 @pytest.fixture(scope="module")
