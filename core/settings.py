@@ -121,8 +121,9 @@ class SamplingSettings(PluginConfig):
 
 
 class SampleSettings(SamplingSettings):
-    # rejection sampling writes the best correct completion per prompt (sft) or a (correct, incorrect) pair
-    output: Literal["sft", "pairs"] = "sft"
+    # rejection sampling writes the best correct completion per prompt (sft), a (correct, incorrect) pair, or
+    # (the data's completion, the model's own sample) for SPIN (self_play, from prompt/completion rows)
+    output: Literal["sft", "pairs", "self_play"] = "sft"
     pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
     allow_empty: bool = False  # no row kept fails the stage unless this is set
 

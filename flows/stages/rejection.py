@@ -3,7 +3,9 @@
 `output: sft` writes the best-scoring completion of each prompt when it is correct (R1's rejection
 sampling SFT data); `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
 (preference data sampled from the policy): the best correct completion against the best incorrect
-one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first. Best means
+one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first; `output: self_play`
+reads prompt/completion rows (SFT data) and writes SPIN's pairs: the data's completion as chosen against the
+model's own first sample that differs from it (rewards only score the samples for the metrics). Best means
 the highest total reward, first on ties, so with one 0/1 verifier the first correct and the first
 incorrect samples are kept. Seeded: the same
 model, prompts and seed write the same rows.
@@ -50,6 +52,11 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
             top = best(correct + incorrect, total)
             if top in correct:  # the best sample must itself be correct, not merely some sample
                 out.append({**row, "completion": texts[top], "reward": total[top]})
+        elif output == "self_play":
+            own = [j for j in sorted(correct + incorrect) if texts[j] != row["completion"]]
+            if own:  # a sample equal to the data gives SPIN no signal (its two log-ratios cancel)
+                out.append({**{k: v for k, v in row.items() if k != "completion"}, "chosen": row["completion"],
+                            "rejected": texts[own[0]], "rejected_reward": total[own[0]]})
         elif correct and incorrect:
             win = best(correct, total)
             for lose in distinct_best(incorrect, texts, total, pairs_per_prompt):
@@ -61,7 +68,7 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
 def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
-    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    rows = load_rows(ctx.inputs["dataset"], "sft" if s.output == "self_play" else "prompt_answer").to_list()
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
                                     shard=True)

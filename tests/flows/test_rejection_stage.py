@@ -48,6 +48,17 @@ def test_pairs_are_the_best_correct_against_the_best_incorrect():
         ("p0", "c", "b"), ("p2", "g", "h"), ("p3", "k", "j")]
 
 
+def test_self_play_pairs_the_data_completion_against_the_first_sample_that_differs_from_it():
+    case = handmade([["a", "b"], ["c", "d"], ["e", "e"]], [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]],
+                    [[True, False], [False, True], [True, True]])
+    for row, target in zip(case.rows, ["a", "x", "e"]):
+        row["completion"] = target
+    rows = select_rows(case, "self_play")
+    # p0: "a" is the data's own text, so "b"; p1: the first sample, whatever its reward; p2: no sample differs
+    assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [("p0", "a", "b"), ("p1", "x", "c")]
+    assert "completion" not in rows[0] and rows[1]["rejected_reward"] == 0.0
+
+
 def test_more_pairs_per_prompt_take_distinct_incorrect_texts_best_first():
     case = handmade([["a", "x", "y", "x", "z"]], [[1.0, 0.0, 0.5, 0.9, 0.0]], [[True, False, False, False, False]])
     pairs = lambda k: [(r["chosen"], r["rejected"]) for r in select_rows(case, "pairs", k)]  # noqa: E731
@@ -82,7 +93,7 @@ def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):
     plugs.add(Samplers, "samplers")
     plugs.add(Rewards, "rewards")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(prompts)))
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n" for a in range(prompts)))
     inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
     spec = parse_spec({"name": "rs", "stages": {"rs": {
         "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
@@ -97,7 +108,7 @@ def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):
     return context
 
 
-@pytest.mark.parametrize("output", ["sft", "pairs"])
+@pytest.mark.parametrize("output", ["sft", "pairs", "self_play"])
 def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
     context = stage_context(tmp_path, 6, n=4, output=output, generation={"max_new_tokens": 6})
 
@@ -113,9 +124,12 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
     if output == "sft":
         assert all(even(r["completion"]) and r["reward"] == 1.0 for r in rows)
         assert m["pass_at_4"] == pytest.approx(len(rows) / 6)  # a row for each prompt with a correct sample
-    else:
+    elif output == "pairs":
         assert all(even(r["chosen"]) and not even(r["rejected"]) for r in rows)
         assert m["pair_share"] == pytest.approx(len(rows) / 6)
+    else:  # the untrained model never writes the data's answer: a pair for every prompt
+        assert [(r["prompt"], r["chosen"]) for r in rows] == [(f"{a}+{a}=", f"{2 * a}") for a in range(6)]
+        assert all(r["rejected"] != r["chosen"] for r in rows)
     assert 0 < m["accuracy"] < 1
 
 
