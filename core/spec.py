@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import graphlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from alignflow.core.contracts import StageKind, plugin_config_model
 from alignflow.core.errors import PluginError, SpecError
+
+if TYPE_CHECKING:
+    from alignflow.core.rounds import LoopSpec, RoundOf
 
 STAGE_REF = "stage:"
 DEFAULT_SAMPLER = "hf"  # stages that generate use it unless the spec names another
@@ -85,19 +88,41 @@ class StageSpec(BaseModel):
 
 
 class PipelineSpec(BaseModel):
+    """A pipeline; `stages` is the flat DAG, with each loop (core/rounds.py) unrolled into its rounds."""
+
     model_config = ConfigDict(extra="forbid")
     name: str
     description: str = ""
     seed: int = 0
     stages: dict[str, StageSpec]
+    _loops: dict[str, LoopSpec] = PrivateAttr(default_factory=dict)
+    _rounds: dict[str, RoundOf] = PrivateAttr(default_factory=dict)  # unrolled stage -> its loop and round
+    _written: dict[str, StageSpec] | None = PrivateAttr(default=None)
 
     def order(self) -> list[str]:
         """Stage names in dependency order (each after every stage it reads from)."""
         graph = {name: set(stage.references().values()) for name, stage in self.stages.items()}
         return list(graphlib.TopologicalSorter(graph).static_order())
 
+    @property
+    def loops(self) -> dict[str, LoopSpec]:
+        return self._loops
 
-def _loc(loc: tuple) -> str:
+    def round_of(self, name: str) -> RoundOf | None:
+        """The loop, loop stage and round a stage was unrolled from; None outside loops."""
+        return self._rounds.get(name)
+
+    def label(self, name: str) -> str:
+        """How the spec file names a stage: `LOOP.X` for every round of loop stage X."""
+        of = self._rounds.get(name)
+        return of.label if of else name
+
+    def written(self) -> dict[str, StageSpec]:
+        """Each stage once, as written: a loop stage under its label, not once per round."""
+        return self.stages if self._written is None else self._written
+
+
+def loc_text(loc: tuple) -> str:
     return ".".join(str(p) for p in loc)
 
 
@@ -125,22 +150,36 @@ def parse_shape(raw: Any, source: str = "<spec>") -> tuple[PipelineSpec, list[st
     """The spec and each stage's first problem of shape (inputs, which plugins, settings), without
     loading any plugin: the checks `alignflow validate` reports before importing plugin code (and torch).
     A spec that is not a pipeline at all (bad YAML structure, a missing stage, a cycle) raises."""
+    from alignflow.core import rounds
+
     if not isinstance(raw, dict):
         raise SpecError(f"{source}: expected a mapping with 'name' and 'stages', got {type(raw).__name__}")
+    plain, loop_blocks, order = rounds.split_loops(raw)
+    loops, errors = rounds.validate_loops(loop_blocks)
     try:
-        spec = PipelineSpec.model_validate(raw)
+        spec = PipelineSpec.model_validate(plain)
     except ValidationError as exc:
-        lines = [f"  {_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise SpecError(f"{source}: invalid pipeline spec\n" + "\n".join(lines)) from None
-    if not spec.stages:
+        errors = [(loc_text(e["loc"]), e["msg"]) for e in exc.errors()] + errors
+    if len(errors) == 1:
+        raise SpecError(f"{source}: {errors[0][0]}: {errors[0][1]}")
+    if errors:
+        raise SpecError(f"{source}: invalid pipeline spec\n" + "\n".join(f"  {at}: {msg}" for at, msg in errors))
+    if not spec.stages and not loops:
         raise SpecError(f"{source}: 'stages' is empty; a pipeline needs at least one stage")
-    check_graph(spec, source)
+    written = {}  # each stage once, in the file's order; a loop's under `LOOP.X`
+    for name in order:
+        written.update({f"{name}.{x}": s for x, s in loops[name].stages.items()} if name in loops
+                       else {name: spec.stages[name]})
     problems = []
-    for name, stage in spec.stages.items():
+    for name, stage in written.items():  # before unrolling: each round copies its stage, defaults filled here
         try:
             check_shape(name, stage, source)
         except SpecError as exc:
             problems.append(str(exc))
+    if loops:
+        spec.stages, spec._rounds = rounds.unroll(spec.stages, loops, order, source)
+        spec._loops, spec._written = loops, written
+    check_graph(spec, source)
     return spec, problems
 
 
@@ -151,7 +190,7 @@ def plugin_problems(spec: PipelineSpec, source: str, plugins=None, skip: set[str
 
         plugins = get_plugins()
     problems = []
-    for name, stage in spec.stages.items():
+    for name, stage in spec.written().items():
         if name in skip:  # its shape is wrong already; one problem per stage
             continue
         try:
@@ -268,7 +307,7 @@ def validate_model(model: type[BaseModel] | None, config: dict, where: str):
     try:
         return model.model_validate(config)
     except ValidationError as exc:
-        lines = [f"{where}.{_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        lines = [f"{where}.{loc_text(e['loc'])}: {e['msg']}" for e in exc.errors()]
         raise SpecError("\n".join(lines)) from None
 
 

@@ -78,16 +78,29 @@ def cmd_validate(args) -> int:
     from alignflow.flows.preflight import check_pipeline
 
     spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
-    tree = Tree(f"[bold]{spec.name}[/bold] ({args.pipeline}): {len(spec.stages)} stages, valid")
+    console.print(dag_tree(spec, args.pipeline))
+    return 0
+
+
+def dag_tree(spec, source: str) -> Tree:
+    """The stage DAG in dependency order, each stage with what it reads; a loop's stages under their round."""
+    tree = Tree(f"[bold]{spec.name}[/bold] ({source}): {len(spec.stages)} stages, valid")
+    parents = {}  # loop name, or (loop name, round) -> its node
     for name in spec.order():
-        stage = spec.stages[name]
+        stage, of, parent = spec.stages[name], spec.round_of(name), tree
+        if of is not None:
+            if of.loop not in parents:
+                loop = spec.loops[of.loop]
+                parents[of.loop] = tree.add(f"[bold]{of.loop}[/bold]: loop of {loop.repeat} round"
+                                            f"{'s' if loop.repeat > 1 else ''} over {', '.join(loop.stages)}")
+            parent = parents.get((of.loop, of.round)) or parents[of.loop].add(f"round {of.round}")
+            parents[(of.loop, of.round)] = parent
         plugins = [p.name for p in [stage.algorithm, stage.sampler] if p is not None]
         plugins += [r.name for r in stage.rewards] + [s.name for s in stage.selectors]
-        node = tree.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}")
+        node = parent.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}")
         for field, value in stage.inputs.items():
             node.add(f"{field} <- {value}")
-    console.print(tree)
-    return 0
+    return tree
 
 
 def _show_early(problems: list[str]) -> None:

@@ -198,6 +198,9 @@ def stage_tags(plan: StagePlan) -> dict[str, str]:
             "alignflow.data_version": str(plan.data_version)}
     for name, v in plan.versions["plugins"].items():
         tags[f"plugin.{name}"] = f"{v['distribution']} {v['version']} {str(v['source'])[:12]}"
+    if plan.round is not None:  # search a loop's runs by round: `tags."alignflow.round" = '2'`
+        tags.update({"alignflow.loop": plan.round.loop, "alignflow.loop_stage": plan.round.stage,
+                     "alignflow.round": str(plan.round.round)})
     return tags
 
 
@@ -301,4 +304,6 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         "timings": {"started": started, "finished": finished, "seconds": finished - started},
         "mlflow_run_id": run.run_id,
     }
+    if plan.round is not None:
+        manifest["round"] = {"loop": plan.round.loop, "stage": plan.round.stage, "round": plan.round.round}
     return store.finalise(plan.name, plan.digest, result.outputs, manifest, run.curves)

@@ -13,7 +13,9 @@ TOP_LEVEL = ("name", "description", "seed")
 
 def apply_overrides(raw: dict, sets: list[str]) -> dict:
     """A copy of `raw` with each `path=value` set; the value is parsed as YAML (`1e-3`, `[a, b]`)."""
-    raw = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy the caller's dict never shares
+    # A deep copy the caller's dict never shares, in the file's order: stages listed first get a free
+    # stage slot first, and a loop's stages are shown in the order written.
+    raw = yaml.safe_load(yaml.safe_dump(raw, sort_keys=False))
     for item in sets:
         path, sep, text = item.partition("=")
         keys = path.strip().split(".")
@@ -25,7 +27,9 @@ def apply_overrides(raw: dict, sets: list[str]) -> dict:
             continue
         stages = raw.get("stages") or {}
         if keys[0] not in stages:
-            raise SpecError(f"--set {item!r}: no stage {keys[0]!r} (stages: {', '.join(stages)})")
+            loops = [n for n, s in stages.items() if isinstance(s, dict) and keys[0] in (s.get("stages") or {})]
+            hint = f"; a loop's stage is set for all its rounds as {loops[0]}.stages.{keys[0]}.FIELD" if loops else ""
+            raise SpecError(f"--set {item!r}: no stage {keys[0]!r} (stages: {', '.join(stages)}){hint}")
         _set(stages, keys, value, item)
     return raw
 

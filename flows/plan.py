@@ -6,6 +6,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+from alignflow.core.rounds import RoundOf, round_seed
 from alignflow.core.spec import PipelineSpec, StageSpec
 from alignflow.flows import digest as dg
 
@@ -25,6 +26,7 @@ class StagePlan:
     data_version: str | None
     seed: int
     order: int = 0  # position in the pipeline's dependency order: who gets a free stage slot first
+    round: RoundOf | None = None  # the loop and round it was unrolled from; None outside loops
 
     @property
     def kind(self) -> str:
@@ -61,11 +63,13 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, Stage
             config = dg.stage_config(name, stage, plugins)
             seed = config["settings"].get("seed")
             seed = spec.seed if seed is None else seed
+            if (round_of := spec.round_of(name)) is not None:
+                seed = round_seed(seed, round_of.round)
             versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
             parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
                      "data_version": data_version, "seed": seed}
             if stage.kind in RANK_DEPENDENT_KINDS and (ranks := data_parallel_ranks(stage.kind)) > 1:
                 parts["processes"] = ranks  # absent for one process, so one-process digests stay as they were
             plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
-                                    config, versions, data_version, seed, len(plans))
+                                    config, versions, data_version, seed, len(plans), round_of)
     return plans

@@ -90,20 +90,23 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
                    rows_only: bool = False) -> list[str]:
     """Missing path-like inputs and bad rows of local JSONL datasets, over every stage (or `stages`);
     `rows_only`: the datasets' rows alone. Without `plugins`, preference stages' rows are left out."""
-    problems, checked = [], set()
+    problems, checked, seen = [], set(), set()
     for name in spec.order():
-        stage = spec.stages[name]
+        stage, label = spec.stages[name], spec.label(name)  # a loop's rounds: one label, one report
         if stages is not None and name not in stages:
             continue
         references = stage.references()
         for field, value in sorted(stage.inputs.items()):
             if field in references or bundled(value, project) or (rows_only and field != "dataset"):
                 continue
+            if (label, field, value) in seen:
+                continue
+            seen.add((label, field, value))
             try:
                 resolved = resolve_input(value, project)
             except SpecError as exc:
                 if not rows_only:  # reported by the first pass
-                    problems.append(f"stage {name!r}, inputs.{field}: {exc}")
+                    problems.append(f"stage {label!r}, inputs.{field}: {exc}")
                 continue
             if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
                 continue
@@ -112,7 +115,7 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
             schema = dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
                 checked.add((resolved, schema))
-                problems += [f"stage {name!r}, inputs.{field}: {p}" for p in jsonl_problems(resolved, schema)]
+                problems += [f"stage {label!r}, inputs.{field}: {p}" for p in jsonl_problems(resolved, schema)]
     return problems
 
 
@@ -139,8 +142,9 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
         plugins = get_plugins()
     problems += plugin_problems(spec, source, plugins, skip=misshapen)
     # A preference stage's rows follow its algorithm (pairs or labelled rows): checked once it is loaded.
-    preference = {name for name, stage in spec.stages.items() if stage.kind == "preference"}
-    problems += input_problems(spec, project, plugins, preference - misshapen, rows_only=True)
+    preference = {name for name, stage in spec.stages.items()
+                  if stage.kind == "preference" and spec.label(name) not in misshapen}
+    problems += input_problems(spec, project, plugins, preference, rows_only=True)
     raise_all(pipeline, problems, shown)
     return spec
 
