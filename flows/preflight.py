@@ -45,6 +45,8 @@ def dataset_schema(stage: StageSpec, plugins) -> str | None:
     if stage.kind == "preference":
         algo = plugins.algorithms.get(stage.algorithm.name)
         return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
+    if stage.kind == "rejection_sampling" and stage.settings.get("output") == "self_play":
+        return "sft"  # SPIN's pairs: the data's own completion against a sample
     return DATASET_SCHEMA.get(stage.kind)
 
 

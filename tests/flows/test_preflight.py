@@ -154,3 +154,12 @@ def test_bundled_datasets_that_a_run_writes_are_not_missing(tmp_path):
     (tmp_path / "p.yaml").write_text(PIPELINE.replace("sft.jsonl", "data/mine.jsonl").replace("./base", "builtin:tiny"))
     with pytest.raises(SpecError, match="data/mine.jsonl"):  # not one of the bundled files: missing
         check_pipeline(tmp_path / "p.yaml", [], tmp_path)
+
+
+def test_a_self_play_sampling_stage_reads_sft_rows(project):
+    """`output: self_play` pairs the data's completion with a sample: its dataset holds prompt/completion rows."""
+    (project / "ok.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    sets = ["sample.inputs.model=./base", "sample.settings.output=self_play", "rl.inputs.dataset=ok.jsonl"]
+    assert f"{project / 'ok.jsonl'}:1: field 'completion': missing" in problems(
+        project, *sets, "sample.inputs.dataset=ok.jsonl")
+    check_pipeline(project / "p.yaml", [*sets, "sample.inputs.dataset=sft.jsonl"], project)  # no error
