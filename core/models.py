@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from alignflow.core import packing  # a module attribute, so stage digests include its source
 from alignflow.core.errors import AlignflowError
 
 log = logging.getLogger(__name__)
@@ -225,10 +226,8 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     # A sequence's first real token has no prefix to be predicted from (left padding included).
     mask[:, 0] = False
     mask[:, 1:] &= attention_mask[:, :-1].bool()
-    from alignflow.core.packing import packed_token_logprobs, packing_works  # it uses this module's helpers
-
-    if packed and B > 1 and packing_works(model):
-        return packed_token_logprobs(model, input_ids, attention_mask, mask, temperature, return_entropy)
+    if packed and B > 1 and packing.packing_works(model):
+        return packing.packed_token_logprobs(model, input_ids, attention_mask, mask, temperature, return_entropy)
     cols = mask.any(0).nonzero()
     start = int(cols[0]) if len(cols) else T - 1  # first labelled column
     logits = model(input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
