@@ -1,0 +1,51 @@
+"""Judge-training rows from scored samples: the evaluation-fine-tuning (EFT) data of Self-Rewarding LMs."""
+
+from __future__ import annotations
+
+import random
+import string
+
+from pydantic import Field
+
+from alignflow.core import PluginConfig, Selector, hookimpl
+
+
+class JudgeExamples(Selector):
+    """Map each scored sample (an `evaluate` stage's rows: prompt, completion, correct) to an SFT row that teaches
+    the model to judge: prompt = `template` filled with the sample's prompt and completion, completion = `yes`
+    when the verifier called the sample correct, else `no`. Self-Rewarding LMs (Yuan et al. 2024) train the
+    judge skill this way (their EFT data, from ranked human responses and a 5-point rubric); here the verdicts
+    are the verifier's. `balance` keeps as many `no` as `yes` rows (a seeded draw of the larger class), so the
+    judge cannot score well by always giving the common verdict. Rows keep no other key: this selector maps,
+    it does not only filter."""
+
+    class Config(PluginConfig):
+        template: str = "{prompt}{completion}?"  # with {prompt} and {completion}; the `judge` reward's template
+        yes: str = "Y"
+        no: str = "N"
+        balance: bool = True
+
+    def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:
+        c = self.config
+        names = {name for _, name, _, _ in string.Formatter().parse(c.template) if name is not None}
+        if not names or names - {"prompt", "completion"}:
+            raise ValueError(f"judge_examples: template {c.template!r} must use {{prompt}} and {{completion}} only")
+        for i, row in enumerate(rows):
+            missing = {"prompt", "completion", "correct"} - row.keys()
+            if missing:
+                raise ValueError(f"judge_examples: row {i} has no {', '.join(sorted(missing))} (expected an "
+                                 "evaluate stage's samples)")
+        judged = [{"prompt": c.template.format(prompt=r["prompt"], completion=r["completion"]),
+                   "completion": c.yes if r["correct"] else c.no} for r in rows]
+        if not c.balance:
+            return judged
+        yes = [i for i, r in enumerate(rows) if r["correct"]]
+        no = [i for i, r in enumerate(rows) if not r["correct"]]
+        small, large = sorted([yes, no], key=len)
+        keep = sorted(small + rng.sample(large, len(small)))  # input order kept
+        return [judged[i] for i in keep]
+
+
+@hookimpl
+def register_selectors(register):
+    register("judge_examples", JudgeExamples)
