@@ -16,14 +16,18 @@ class JudgeExamples(Selector):
     when the verifier called the sample correct, else `no`. Self-Rewarding LMs (Yuan et al. 2024) train the
     judge skill this way (their EFT data, from ranked human responses and a 5-point rubric); here the verdicts
     are the verifier's. `balance` keeps as many `no` as `yes` rows (a seeded draw of the larger class), so the
-    judge cannot score well by always giving the common verdict. Rows keep no other key: this selector maps,
-    it does not only filter."""
+    judge cannot score well by always giving the common verdict. `answers` (default) also keeps each correct
+    sample as an ordinary SFT row (prompt, completion): the paper's M1 trains on instruction data and judge
+    data together, and a tiny model fine-tuned on judge rows alone forgets how to answer (measured: greedy test
+    accuracy 0.258 -> 0, every answer a verdict). Rows keep no other key: this selector maps, it does not
+    only filter."""
 
     class Config(PluginConfig):
         template: str = "{prompt}{completion}?"  # with {prompt} and {completion}; the `judge` reward's template
         yes: str = "Y"
         no: str = "N"
         balance: bool = True
+        answers: bool = True  # also each correct sample as an SFT row, so answering is rehearsed
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:
         c = self.config
@@ -37,13 +41,14 @@ class JudgeExamples(Selector):
                                  "evaluate stage's samples)")
         judged = [{"prompt": c.template.format(prompt=r["prompt"], completion=r["completion"]),
                    "completion": c.yes if r["correct"] else c.no} for r in rows]
-        if not c.balance:
-            return judged
-        yes = [i for i, r in enumerate(rows) if r["correct"]]
-        no = [i for i, r in enumerate(rows) if not r["correct"]]
-        small, large = sorted([yes, no], key=len)
-        keep = sorted(small + rng.sample(large, len(small)))  # input order kept
-        return [judged[i] for i in keep]
+        keep = range(len(rows))
+        if c.balance:
+            yes = [i for i, r in enumerate(rows) if r["correct"]]
+            no = [i for i, r in enumerate(rows) if not r["correct"]]
+            small, large = sorted([yes, no], key=len)
+            keep = sorted(small + rng.sample(large, len(small)))  # input order kept
+        answers = [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows if r["correct"]]
+        return [judged[i] for i in keep] + (answers if c.answers else [])
 
 
 @hookimpl
