@@ -8,6 +8,8 @@ import json
 import tokenize
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from alignflow.core.registry import Entry
 
 
@@ -77,17 +79,15 @@ def fields(obj: Any) -> list[dict]:
     if config is None:
         return []
     comments = field_comments(config)
-    try:
-        defaults = config().model_dump(mode="json")
-    except Exception:  # a required field: no default instance
-        defaults = {}
     out = []
     for name, field in config.model_fields.items():
         bounds = _bounds(field)
         out.append({
             "name": name,
             "type": _type(field.annotation) + (f" ({bounds})" if bounds else ""),
-            "default": defaults.get(name, "required" if field.is_required() else None),
+            # each field's own default: a config with a required field has no default instance to dump
+            "default": "required" if field.is_required() else
+            TypeAdapter(Any).dump_python(field.get_default(call_default_factory=True), mode="json"),
             "description": field.description or comments.get(name, ""),
         })
     return out

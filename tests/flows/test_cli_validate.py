@@ -72,6 +72,8 @@ def test_plugins_show_gives_each_config_field_with_type_default_and_description(
     fields = {f["name"]: f for f in shown["fields"]}
     assert fields["kl_loss_coef"]["default"] == 0.04 and fields["clip_low"]["type"] == "float (>= 0.0, < 1.0)"
     assert fields["dual_clip"]["description"] == "c of dual-clip PPO; None disables"  # the field's comment
+    prm = {f["name"]: f["default"] for f in json.loads(alignflow("plugins", "show", "prm", "--json").stdout)["fields"]}
+    assert (prm["path"], prm["aggregation"], prm["batch_size"]) == ("required", "min", 8)  # beside a required field
     table = alignflow("plugins", "show", "code_exec")
     assert table.returncode == 0 and "samples run at once" in table.stdout and "isolation" in table.stdout
     missing = alignflow("plugins", "show", "grpoo")
