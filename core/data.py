@@ -231,6 +231,25 @@ def step_spans(completion: str, separator: str) -> list[tuple[str, int]]:
     return spans
 
 
+def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
+    """For each character offset in `decode(ids)`, the index of the token that completes the text up to it.
+
+    Binary search on decoded prefixes: a step ends at the first token whose prefix reaches its last
+    character, whatever the tokenizer merged around it.
+    """
+    out = []
+    for end in char_ends:
+        lo, hi = 0, max(len(ids) - 1, 0)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(ids[: mid + 1])) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        out.append(lo)
+    return out
+
+
 def split_steps(completion: str, separator: str) -> list[str]:
     """A solution's steps: the text between separators, empty steps dropped."""
     return [step for step, _ in step_spans(completion, separator)]

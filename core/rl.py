@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from alignflow.core.aggregation import AggMode
 from alignflow.core.contracts import Algorithm, PluginConfig
-from alignflow.core.rl_parts import clipped_surrogate, kl_estimate, masked_mean
+from alignflow.core.rl_parts import clipped_surrogate, group_ids, group_sum, kl_estimate, masked_mean
 
 
 @dataclass
@@ -248,11 +248,9 @@ class PolicyGradient(RLAlgorithm):
         them. Whole groups only, so a loss that couples a group's rows (λ-GRPO's weights) sees all or none."""
         if self.config.kl_loss_coef > 0 or self.requires_critic:
             return None
-        zero = ((advantages != 0) & rollout.response_mask.bool()).sum(-1) == 0
-        _, inverse = torch.unique(rollout.group, return_inverse=True)
-        live = torch.zeros(int(inverse.max()) + 1 if len(inverse) else 0, dtype=torch.long, device=zero.device)
-        live.index_add_(0, inverse, (~zero).long())
-        return live[inverse] == 0
+        live = ((advantages != 0) & rollout.response_mask.bool()).any(-1)
+        inverse, n = group_ids(rollout.group)
+        return group_sum(live.long(), inverse, n)[inverse] == 0
 
     def surrogate_weights(self, batch: PolicyBatch) -> Tensor | None:
         """[b] per-response weights on the surrogate (λ-GRPO); None for uniform."""

@@ -120,6 +120,12 @@ class SamplingSettings(PluginConfig):
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
 
 
+def sampled_rows(output: str) -> str:
+    """The row schema a `rejection_sampling` stage's dataset holds for its `output`: SPIN's self_play pairs the
+    data's own completion with a sample (prompt/completion rows); the others need the answer to judge by."""
+    return "sft" if output == "self_play" else "prompt_answer"
+
+
 class SampleSettings(SamplingSettings):
     # rejection sampling writes the best correct completion per prompt (sft), a (correct, incorrect) pair, or
     # (the data's completion, the model's own sample) for SPIN (self_play, from prompt/completion rows)

@@ -17,14 +17,14 @@ import yaml
 
 from alignflow.core.data import check_row
 from alignflow.core.errors import SpecError
+from alignflow.core.settings import sampled_rows
 from alignflow.core.spec import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
 from alignflow.flows.digest import resolve_input
 from alignflow.flows.overrides import apply_overrides
 
 SHOWN_PER_FILE = 10  # bad lines listed per file; the rest are counted
 DATASET_SCHEMA = {"sft": "sft", "reward_model": "pairwise", "prm": "steps", "rl": "prompt_answer",
-                  "rejection_sampling": "prompt_answer", "step_labels": "prompt_answer",
-                  "evaluate": "prompt_answer"}
+                  "step_labels": "prompt_answer", "evaluate": "prompt_answer"}
 
 
 def read_yaml(path: Path):
@@ -45,8 +45,8 @@ def dataset_schema(stage: StageSpec, plugins) -> str | None:
     if stage.kind == "preference":
         algo = plugins.algorithms.get(stage.algorithm.name)
         return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
-    if stage.kind == "rejection_sampling" and stage.settings.get("output") == "self_play":
-        return "sft"  # SPIN's pairs: the data's own completion against a sample
+    if stage.kind == "rejection_sampling":
+        return sampled_rows(stage.settings.get("output", "sft"))
     return DATASET_SCHEMA.get(stage.kind)
 
 

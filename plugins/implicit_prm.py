@@ -111,19 +111,6 @@ class Scoring:
     char_ends: list[int]  # where each step ends in the completion text
 
 
-def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
-    """For each character offset of `decode(ids)`, the token that completes the text up to it (the rl
-    stage places a step's reward at that token in the same way)."""
-    out = []
-    for end in char_ends:
-        lo, hi = 0, max(len(ids) - 1, 0)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if len(decode(ids[: mid + 1])) >= end else (mid + 1, hi)
-        out.append(lo)
-    return out
-
-
 class ImplicitProcessReward:
     """Step rewards of an implicit PRM: beta times the summed log-ratio to its reference of each step's tokens.
 
@@ -175,7 +162,7 @@ class ImplicitProcessReward:
 
     def scoring(self, prompt: str, completion: str) -> Scoring:
         """The ids of one completion, where its steps end, cut from the left to `max_length`."""
-        from alignflow.core.data import step_spans
+        from alignflow.core.data import step_spans, token_ends
 
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
         spans = step_spans(completion, self.config.step_separator) or [(completion, len(completion))]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from alignflow.core.data import load_rows
 from alignflow.core.ranks import rank_and_world
+from alignflow.core.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl
@@ -68,7 +69,7 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
 def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
-    rows = load_rows(ctx.inputs["dataset"], "sft" if s.output == "self_play" else "prompt_answer").to_list()
+    rows = load_rows(ctx.inputs["dataset"], sampled_rows(s.output)).to_list()
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
                                     shard=True)

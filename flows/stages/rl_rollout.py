@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from alignflow.core.data import pad
+from alignflow.core.data import pad, token_ends
 from alignflow.core.rl import Rollout
 from alignflow.core.ranks import gathered, rank_and_world
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
@@ -134,25 +134,6 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
                 if k.startswith("reward/") and not k.endswith(("/mean", "/none"))},
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
-
-
-def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
-    """For each character offset in `decode(ids)`, the index of the token that completes the text up to it.
-
-    Binary search on decoded prefixes: a step ends at the first token whose prefix reaches its last
-    character, whatever the tokenizer merged around it.
-    """
-    out = []
-    for end in char_ends:
-        lo, hi = 0, len(ids) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(decode(ids[: mid + 1])) >= end:
-                hi = mid
-            else:
-                lo = mid + 1
-        out.append(lo)
-    return out
 
 
 def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,

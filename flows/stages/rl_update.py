@@ -108,11 +108,11 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
         for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
             micro = chunks(minibatch, s.micro_batch_size)
             norm = engine.step_norm([r.response_mask[m] for m in micro[rank::world]], algo.norm_constant(r))
+            weight = 1.0
             if inert is not None:  # the normaliser counts them; no forward or backward does
-                micro = chunks(minibatch[~inert[minibatch]], s.micro_batch_size) or micro[:1]
-                weight = 0.0 if inert[micro[0]].all() else 1.0  # all inert: a zero gradient, as if computed
-            else:
-                weight = 1.0
+                live = minibatch[~inert[minibatch]]
+                # all inert: one micro-batch at weight 0, a zero gradient for the optimizer step, as if computed
+                micro, weight = (chunks(live, s.micro_batch_size), 1.0) if len(live) else (micro[:1], 0.0)
             mine = micro[rank::world]
             step_loss = 0.0
             for rows in mine:

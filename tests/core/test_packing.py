@@ -41,10 +41,14 @@ def test_rows_with_one_prompt_share_one_copy(tiny):
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(tiny, side):
+def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(tiny, side, monkeypatch):
     model = load_model(tiny)
-    ids, attn, labels = group_batch(load_tokenizer(tiny), side)
+    tok = load_tokenizer(tiny)
+    ids, attn, labels = group_batch(tok, side)
     assert masks_work(model)
+    layouts = []
+    real = packing.layout
+    monkeypatch.setattr(packing, "layout", lambda *a: layouts.append(real(*a)) or layouts[-1])
 
     def run(packed):
         model.zero_grad()
@@ -53,6 +57,8 @@ def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(tiny, side):
         return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
 
     (lp, ent, grads), (plp, pent, pgrads) = run(False), run(True)
+    # the packed forward really shared: each row's prompt found, and 2 * 5 + 1 * 4 prompt tokens not repeated
+    assert len(layouts) == 1 and len(layouts[0].target) == int(attn.sum()) - 2 * 5 - 1 * 4
     assert ((lp != 0) == labels.bool()).all()
     torch.testing.assert_close(plp, lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(pent, ent, atol=1e-5, rtol=0)

@@ -1,9 +1,12 @@
-"""What a data-parallel test records of its ranks' calls: `record` and an hf sampler that uses it.
+"""What a test records: its ranks' calls (`record` and an hf sampler that uses it) and frozen models' forwards.
 
 A module of its own, so that spawned ranks can import the sampler plugin.
 """
 
 import os
+
+import torch
+from transformers import Qwen2ForCausalLM
 
 import alignflow.plugins.hf
 from alignflow.core import hookimpl
@@ -29,3 +32,20 @@ class Samplers:
     @hookimpl
     def register_samplers(register):
         register("counting_hf", CountingHF)
+
+
+class ReferenceForwards:
+    """Counts forward passes of frozen causal LMs (the reference: no parameter requires grad)."""
+
+    def __enter__(self):
+        self.count = 0
+
+        def hook(module, args, output):
+            if isinstance(module, Qwen2ForCausalLM) and not next(module.parameters()).requires_grad:
+                self.count += 1
+
+        self.handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()

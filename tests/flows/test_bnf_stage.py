@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
 
 import alignflow.plugins.bnf
 from alignflow.core.data import collate, load_rows, tokenize
@@ -20,6 +19,7 @@ from alignflow.flows.stages.preference import (REFERENCE_CACHE, TOKENS, CachedRe
                                                reference_logps, run_preference)
 from alignflow.plugins.bnf import BNF
 from alignflow.plugins.dpo import DPO
+from recording import ReferenceForwards
 
 SETTINGS = {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "micro_batch_size": 2, "max_length": 64,
             "save_every": 2, "log_every": 1, "lr_scheduler": "linear"}
@@ -97,23 +97,6 @@ def test_builder_gives_per_token_terms_only_to_algorithms_that_ask():
 
     with pytest.raises(ValueError, match="pairs only"):
         build_batch(Unpaired(), NamingScorer(), NamingScorer(), torch.tensor([1, 0]))
-
-
-class ReferenceForwards:
-    """Counts forward passes of frozen causal LMs (the reference: no parameter requires grad)."""
-
-    def __enter__(self):
-        self.count = 0
-
-        def hook(module, args, output):
-            if isinstance(module, Qwen2ForCausalLM) and not next(module.parameters()).requires_grad:
-                self.count += 1
-
-        self.handle = torch.nn.modules.module.register_module_forward_hook(hook)
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 def context(tmp_path, inputs) -> tuple[StageContext, list]:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen2ForCausalLM
 
 import alignflow.plugins.dpo
 import alignflow.plugins.kto
@@ -23,6 +22,7 @@ from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.preference import REFERENCE_CACHE, SequenceScorer, run_preference
+from recording import ReferenceForwards
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
 SETTINGS = {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "micro_batch_size": 2, "max_length": 64,
@@ -72,23 +72,6 @@ def context(tmp_path, plugs, algorithm, inputs, fail_at_step=None, **settings) -
     ctx = StageContext("pref", stage, TrainSettings.model_validate(stage.settings),
                        {k: Path(v) for k, v in inputs.items()}, work, tmp_path / "checkpoints", 0, log, plugs)
     return ctx, logged
-
-
-class ReferenceForwards:
-    """Counts forward passes of frozen causal LMs (the reference: no parameter requires grad)."""
-
-    def __enter__(self):
-        self.count = 0
-
-        def hook(module, args, output):
-            if isinstance(module, Qwen2ForCausalLM) and not next(module.parameters()).requires_grad:
-                self.count += 1
-
-        self.handle = torch.nn.modules.module.register_module_forward_hook(hook)
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 def step_metrics(logged, step):

@@ -76,26 +76,31 @@ def stage(tmp_path, plugins, tiny, data, log):
                         tmp_path / "checkpoints", 0, lambda m, step: log.append(m), plugins)
 
 
-def test_skipping_inert_rows_gives_the_weights_of_training_them(tmp_path, plugins, tiny, monkeypatch):
-    """Two of four prompts always score 0: half the rows are skipped, and the weights after two steps are those of
-    the update that forwards and backwards every row (the step's normaliser counts the skipped rows)."""
+@pytest.mark.parametrize("answers, trained_per_step", [
+    (["dead", "x", "dead", "x"], 8),  # the two dead groups (8 of 16 rows) never reach the loss
+    (["dead"] * 4, 4),  # every row inert: one micro-batch of 4 at weight 0 stands for the step's zero gradient
+])
+def test_skipping_inert_rows_gives_the_weights_of_training_them(tmp_path, plugins, tiny, monkeypatch, answers,
+                                                                trained_per_step):
+    """Prompts whose rows always score 0 are skipped, and the weights after two steps are those of the update
+    that forwards and backwards every row (the step's normaliser counts the skipped rows)."""
     data = tmp_path / "rl.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": a}) + "\n"
-                            for i, a in enumerate(["dead", "x", "dead", "x"])))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": a}) + "\n" for i, a in enumerate(answers)))
     forwards = []
     real = PolicyGradient.loss
     monkeypatch.setattr(PolicyGradient, "loss", lambda self, batch: forwards.append(len(batch.group)) or
                         real(self, batch))
-    skipped_log = []
-    skipped = load_model(run_rl(stage(tmp_path / "a", plugins, tiny, data, skipped_log)).outputs["model"])
-    skipped_rows = sum(forwards)
+    log = []
+    skipping = load_model(run_rl(stage(tmp_path / "a", plugins, tiny, data, log)).outputs["model"])
+    trained = sum(forwards)
     monkeypatch.setattr(PolicyGradient, "inert_rows", lambda self, r, a: None)
     forwards.clear()
     full = load_model(run_rl(stage(tmp_path / "b", plugins, tiny, data, [])).outputs["model"])
     assert sum(forwards) == 2 * 16  # 2 steps of 16 rows
-    assert skipped_rows <= 2 * 16 - 2 * 8  # the dead groups (8 rows a step) never reach the loss
-    assert all(m["actor/skipped_rows"] >= 0.5 for m in skipped_log[:2])
-    a, b = skipped.state_dict(), full.state_dict()
-    assert any(not torch.equal(v, tiny_v) for v, tiny_v in zip(a.values(), load_model(tiny).state_dict().values()))
+    assert trained <= 2 * trained_per_step
+    assert all(m["actor/skipped_rows"] >= answers.count("dead") / 4 for m in log[:2])
+    a, b = skipping.state_dict(), full.state_dict()
+    if "x" in answers:
+        assert any(not torch.equal(v, v0) for v, v0 in zip(a.values(), load_model(tiny).state_dict().values()))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from alignflow.core import SpecError, hookimpl
+from alignflow.core.data import token_ends
 from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import Rollout
@@ -17,7 +18,7 @@ from alignflow.core.settings import RLSettings
 from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl import run_rl
-from alignflow.flows.stages.rl_rollout import Samples, to_batch, token_ends
+from alignflow.flows.stages.rl_rollout import Samples, to_batch
 from alignflow.flows.stages.rl_update import minibatches
 
 ASCII = 128  # the tiny tokenizer's ids below 128 are ASCII bytes: about half its vocabulary
