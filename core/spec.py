@@ -22,7 +22,9 @@ DEFAULT_SAMPLER = "hf"  # stages that generate use it unless the spec names anot
 TRAIN_INPUTS = {"model", "dataset", "eval_dataset"}
 # Training stages may list rewards (and a sampler) to score `eval_dataset` completions at the end.
 KIND_RULES: dict[str, dict[str, Any]] = {
-    "select": {"inputs": {"dataset"}, "required": {"dataset"}, "plugins": {"selectors"}},
+    # rewards on a select stage score its prompt/completion rows (`rewards.NAME`) before the selectors run
+    "select": {"inputs": {"dataset", "reward_model", "prm"}, "required": {"dataset"},
+               "plugins": {"selectors", "rewards"}},
     "sft": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"},
             "plugins": {"algorithm", "rewards", "sampler"}},
     "reward_model": {"inputs": TRAIN_INPUTS, "required": {"model", "dataset"}, "plugins": {"algorithm"}},

@@ -47,7 +47,7 @@ class StageOutcome:
 # and import transformers lazily (not thread-safe): in two threads they corrupt each other. So one
 # of them at a time runs in this process, and a sibling that starts meanwhile runs in a child
 # process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
-THREAD_SAFE_KINDS = frozenset({"select"})
+THREAD_SAFE_KINDS = frozenset({"select"})  # a select stage that scores rows with rewards loads models: not safe
 PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
 # Stage kinds whose runners split their rows (each step's, or the prompts to sample) over the ranks of
 # a process group; `select` runs on one process whatever `--nproc` says.
@@ -135,7 +135,7 @@ def call_runner(kind: str, ctx: StageContext, started: list[float], order: int =
     free for it, else in a child process. Either way the stage gets the same share of this process's
     torch threads, so where it ran never changes its numbers. Appends the time the runner started
     (after any wait) to `started`."""
-    if kind in THREAD_SAFE_KINDS:
+    if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
         started.append(time.time())
         return RUNNERS[kind](ctx)
     n = parallel_stages()

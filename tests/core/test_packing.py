@@ -93,3 +93,27 @@ def test_a_model_that_ignores_4d_masks_packs_without_sharing(tiny, monkeypatch):
         torch.testing.assert_close(token_logprobs(wrapped, ids, attn, labels, packed=True),
                                    token_logprobs(model, ids, attn, labels), atol=1e-5, rtol=0)
     assert seen == [None]
+
+
+def test_probes_pass_a_bf16_model_and_still_catch_an_ignored_mask(tiny, monkeypatch):
+    """bf16 logits of packed and apart forwards differ by rounding (8 mantissa bits), which a 1e-3 tolerance
+    took for a model that cannot pack: a bf16 stage then fell back to padded batches. The tolerance follows
+    the dtype, and a mask that is really ignored still fails in bf16."""
+    model = load_model(tiny).to(torch.bfloat16)
+    monkeypatch.setattr(packing, "_PACKING", {})
+    monkeypatch.setattr(packing, "_MASKS", {})
+    assert packing.packing_works(model) and masks_work(model)
+
+    class NoMasks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config = model, model.config
+
+        @property
+        def device(self):
+            return model.device
+
+        def forward(self, input_ids, attention_mask=None, **kw):
+            return self.inner(input_ids, **kw)
+
+    assert not masks_work(NoMasks())
