@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import re
@@ -110,30 +111,68 @@ def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
     return h.hexdigest()
 
 
+def _module_file(name: str) -> str | None:
+    """The source file of module `name`, found without importing it (its parent packages do get imported)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return getattr(module, "__file__", None)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    return spec.origin if spec is not None and spec.has_location else None
+
+
+def _source_imports(name: str) -> set[str]:
+    """Modules the source of `name` imports anywhere, inside functions too (a lazy `from alignflow.core
+    import models` in a plugin's method is as much a dependency as one at the top): every `import X`, and
+    for `from X import Y` both X and X.Y (kept by the caller only where X.Y is a module)."""
+    path = _module_file(name)
+    try:
+        tree = ast.parse(Path(path).read_text()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    package = name if path and Path(path).name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree) if tree else ():
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            try:
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package) \
+                    if node.level else node.module
+            except (ImportError, ValueError):
+                continue
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
 def _closure(module_name: str, inside) -> set[str]:
     """Modules `inside(name)` reachable from `module_name` through module attributes (imported modules,
-    classes and functions), transitively."""
+    classes and functions) and through the imports its source makes anywhere, transitively."""
     seen, todo = set(), [module_name]
     while todo:
         name = todo.pop()
-        module = sys.modules.get(name)
-        if name in seen or module is None:
+        if name in seen or _module_file(name) is None:
             continue
         seen.add(name)
-        for value in vars(module).values():
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
             dep = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
             if not isinstance(dep, str) or dep in seen or not inside(dep):
                 continue
             if inspect.ismodule(value) and dep.startswith(name + "."):
                 continue  # a package's submodules are its attributes once imported, not its dependencies
             todo.append(dep)
+        todo += [dep for dep in _source_imports(name) if dep not in seen and inside(dep)]
     return seen
 
 
 def _hash_modules(names: set[str]) -> str:
     h = hashlib.sha256()
     for name in sorted(names):
-        path = getattr(sys.modules[name], "__file__", None)
+        path = _module_file(name)
         h.update(f"{name}:{hash_file(Path(path)) if path else ''}\n".encode())
     return h.hexdigest()
 
@@ -142,8 +181,8 @@ def code_hash(module_name: str, package: str = "alignflow.") -> str:
     """sha256 over the source of a module and of every `package` module it imports, transitively.
 
     A stage runner's output depends on the helpers it calls (the shared training loop, tokenisation,
-    scoring), not only on its own file: an edit to any of them reruns the stage. Imports made inside
-    functions are not seen.
+    scoring), not only on its own file: an edit to any of them reruns the stage, imports made inside
+    functions included.
     """
     return _hash_modules(_closure(module_name, lambda dep: dep.startswith(package)))
 

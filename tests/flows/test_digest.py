@@ -166,3 +166,30 @@ def test_the_number_of_processes_enters_the_digest_of_rl_stages_only(tmp_path, m
     assert plan() == one
     monkeypatch.setenv(NPROC_ENV, "2")
     assert changed(one, plan()) == {"rl"}
+
+
+def test_code_hash_follows_imports_made_inside_functions(tmp_path, monkeypatch):
+    """A plugin that imports a helper lazily (inside a method, to keep import time low) still reruns when
+    the helper changes: the source's imports count wherever they are made; a name imported from a module
+    that is not itself a module, and a module never imported, are handled."""
+    import importlib
+
+    from alignflow.flows.digest import code_hash
+
+    pkg = tmp_path / "lazypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helper.py").write_text("def shared():\n    return 1\n")
+    (pkg / "sub.py").write_text("X = 1\n")
+    (pkg / "runner.py").write_text("def run():\n    from lazypkg.helper import shared\n    from . import sub\n"
+                                   "    return shared() + sub.X\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("lazypkg.runner")  # neither helper nor sub is imported yet
+    before = code_hash("lazypkg.runner", package="lazypkg.")
+    (pkg / "helper.py").write_text("def shared():\n    return 4\n")
+    after_helper = code_hash("lazypkg.runner", package="lazypkg.")
+    (pkg / "sub.py").write_text("X = 2\n")  # reached by a relative import
+    assert len({before, after_helper, code_hash("lazypkg.runner", package="lazypkg.")}) == 3
+    for name in ("lazypkg.runner", "lazypkg.helper", "lazypkg.sub", "lazypkg"):
+        if name in sys.modules:
+            monkeypatch.delitem(sys.modules, name)
