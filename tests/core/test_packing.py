@@ -13,6 +13,21 @@ def tiny(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
 
 
+class NoMasks(torch.nn.Module):
+    """`model` with its attention mask dropped: every token sees all before it, the probe's failure case."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        return self.inner(input_ids, **kw)
+
+
 def group_batch(tok, side):
     """Two prompts with three and two completions, one prompt alone, padded on `side`; labels on completions."""
     pairs = [("12+7=", "19</s>"), ("12+7=", "91"), ("12+7=", "1+9=10</s>"), ("3*4=", "12</s>"), ("3*4=", "7"),
@@ -71,19 +86,7 @@ def test_a_model_that_ignores_4d_masks_packs_without_sharing(tiny, monkeypatch):
     prompt copy (position-id packing), with the same values."""
     model = load_model(tiny)
 
-    class NoMasks(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner, self.config = model, model.config
-
-        @property
-        def device(self):
-            return model.device
-
-        def forward(self, input_ids, attention_mask=None, **kw):
-            return self.inner(input_ids, **kw)
-
-    wrapped = NoMasks()
+    wrapped = NoMasks(model)
     assert not masks_work(wrapped) and packing.packing_works(wrapped)
     seen = []
     real = packing.layout
@@ -104,16 +107,4 @@ def test_probes_pass_a_bf16_model_and_still_catch_an_ignored_mask(tiny, monkeypa
     monkeypatch.setattr(packing, "_MASKS", {})
     assert packing.packing_works(model) and masks_work(model)
 
-    class NoMasks(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner, self.config = model, model.config
-
-        @property
-        def device(self):
-            return model.device
-
-        def forward(self, input_ids, attention_mask=None, **kw):
-            return self.inner(input_ids, **kw)
-
-    assert not masks_work(NoMasks())
+    assert not masks_work(NoMasks(model))
