@@ -8,8 +8,8 @@ from typing import Any, Callable, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 StageKind = Literal[
-    "select", "sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "step_labels",
-    "evaluate",
+    "select", "sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "critique_revise",
+    "step_labels", "evaluate",
 ]
 TRAINING_KINDS = ("sft", "reward_model", "prm", "preference", "rl")
 

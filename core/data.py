@@ -23,6 +23,7 @@ IGNORE_INDEX = -100  # label of tokens the loss skips (prompt and padding)
 
 # field -> expected type; a tuple type is "list of"; "messages" is a chat conversation.
 SCHEMAS: dict[str, dict[str, Any]] = {
+    "prompt": {"prompt": str},
     "prompt_answer": {"prompt": str, "answer": str},
     "sft": {"prompt": str, "completion": str},
     "sft_messages": {"messages": "messages"},

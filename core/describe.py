@@ -117,7 +117,8 @@ def default_text(value: Any) -> str:
 
 # The settings models of docs/CONTRACTS.md, in its order: each stage kind's, then the nested blocks.
 SETTINGS_MODELS = ("TrainSettings", "RLSettings", "PRMSettings", "SelectSettings", "SamplingSettings",
-                   "SampleSettings", "StepLabelSettings", "EvaluateSettings", "GenerationSettings", "ModelOptions")
+                   "SampleSettings", "CritiqueSettings", "StepLabelSettings", "EvaluateSettings",
+                   "GenerationSettings", "ModelOptions")
 
 
 def _cell(text: str, code: bool = False) -> str:

@@ -19,10 +19,14 @@ The stage drives every algorithm the same way, without knowing which one it runs
 
 Parameters that are not the model's (λ-GRPO's λ) come from `algo.extra_parameters()` and join the
 optimizer. Algorithms with `requires_whole_groups` need every micro-batch to hold whole prompt groups.
+An algorithm that names a `cost_reward` gets that reward's raw values as `Rollout.costs`, apart from the
+total (the reward must have weight 0); state it updates itself (RePO's multiplier) is `state_dict()`,
+which the stage keeps in its checkpoints.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Literal
 
@@ -57,6 +61,8 @@ class Rollout:
     # [B] bool: sampled after `guided_prompt` (the prompt with the reference answer) but scored, as every
     # log-prob here, after the plain prompt; None when the algorithm asks for no guided samples
     guided: Tensor | None = None
+    # [B] the raw values of the reward the algorithm names as `cost_reward`, NaN where it failed (None)
+    costs: Tensor | None = None
 
     def __post_init__(self):
         b, t = self.response_mask.shape
@@ -206,6 +212,20 @@ class RLAlgorithm(Algorithm):
         """Trainable parameters that are not the model's; the stage adds them to its optimizer."""
         return []
 
+    @property
+    def cost_reward(self) -> str | None:
+        """The label of a stage reward whose raw values the algorithm reads as `Rollout.costs`, apart from the
+        total reward (so it must have weight 0); None (default): no costs."""
+        return None
+
+    def state_dict(self) -> dict:
+        """State the algorithm updates itself, outside any optimizer (RePO's multiplier): plain Python values
+        that the stage saves with each checkpoint and hands to `load_state_dict` on resume."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
     def filter_groups(self, rollout: Rollout) -> Tensor:
         """[B] bool: the responses to train on. Default keeps all."""
         return torch.ones_like(rollout.rewards, dtype=torch.bool)
@@ -282,3 +302,20 @@ def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Te
 def broadcast(per_response: Tensor, mask: Tensor) -> Tensor:
     """A [B] per-response value on every response token: [B, T]."""
     return per_response[:, None] * mask.to(per_response.dtype)
+
+
+def cost_reward_problem(algo: RLAlgorithm, rewards: list) -> str | None:
+    """What keeps a stage's rewards (spec `RewardRef`s: name, weight) from giving `algo` its costs; None when
+    nothing does. Rewards are labelled as the stage's RewardSet labels them (NAME, NAME_i for a repeated one)."""
+    name = algo.cost_reward
+    if name is None:
+        return None
+    counts = Counter(r.name for r in rewards)
+    weights = {r.name if counts[r.name] == 1 else f"{r.name}_{i}": r.weight for i, r in enumerate(rewards)}
+    if name not in weights:
+        return (f"algorithm.config.cost_reward: {name!r} is not a reward of the stage (rewards: "
+                f"{', '.join(weights) or 'none'})")
+    if weights[name] != 0:
+        return (f"rewards: {name!r} is the algorithm's cost_reward, which must stay out of the total reward: "
+                f"give it weight: 0 (it has weight {weights[name]:g})")
+    return None

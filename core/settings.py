@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -134,6 +135,53 @@ class SampleSettings(SamplingSettings):
     allow_empty: bool = False  # no row kept fails the stage unless this is set
 
 
+def critique_rows(rewards: bool) -> str:
+    """The row schema a `critique_revise` stage's dataset holds: prompts, and the answer a verifier judges
+    by when the stage lists rewards (as `rejection_sampling` reads them)."""
+    return "prompt_answer" if rewards else "prompt"
+
+
+# Constitutional AI's critique and revision requests (Bai et al. 2022, arXiv 2212.08073, SL-CAI: "CritiqueRequest:
+# Identify specific ways in which the assistant's last response is ...", "RevisionRequest: Please rewrite the
+# assistant response to ..."), in its Human/Assistant format, with the drawn principle in place of the paper's
+# fixed harmlessness wording.
+CRITIQUE_TEMPLATE = (
+    "Human: {prompt}\n\nAssistant: {completion}\n\nCritiqueRequest: Identify specific ways in which the "
+    "assistant's last response does not follow this principle: {principle}\n\nCritique:")
+REVISION_TEMPLATE = CRITIQUE_TEMPLATE + (
+    " {critique}\n\nRevisionRequest: Please rewrite the assistant response so that it follows this principle: "
+    "{principle}\n\nRevision:")
+TEMPLATE_FIELDS = {"critique_template": ("prompt", "completion", "principle"),
+                   "revision_template": ("prompt", "completion", "principle", "critique")}
+
+
+class CritiqueSettings(SamplingSettings):
+    """Constitutional AI's critique -> revision loop (SL-CAI, Bai et al. 2022, arXiv 2212.08073)."""
+
+    n: int = Field(1, ge=1)  # answers per prompt, each critiqued and revised on its own
+    revisions: int = Field(1, ge=1)  # critique/revision rounds, each under a principle drawn anew
+    critique_template: str = CRITIQUE_TEMPLATE  # fields {prompt} {completion} {principle}
+    revision_template: str = REVISION_TEMPLATE  # fields {prompt} {completion} {principle} {critique}
+    # pairs: (prompt, chosen = final revision, rejected = original) for DPO, equal ones dropped; sft: the revision
+    output: Literal["pairs", "sft"] = "pairs"
+    keep: Literal["all", "improved"] = "all"  # improved: only rows whose revision the rewards score higher
+    allow_empty: bool = False  # no row kept fails the stage unless this is set
+
+    @field_validator("critique_template", "revision_template")
+    @classmethod
+    def _known_fields(cls, value: str, info) -> str:
+        allowed = TEMPLATE_FIELDS[info.field_name]
+        try:
+            names = [name for _, name, _, _ in string.Formatter().parse(value) if name is not None]
+        except ValueError as exc:
+            raise ValueError(f"not a format string: {exc} (write a literal brace as {{{{ or }}}})") from None
+        for name in names:
+            if name not in allowed:
+                raise ValueError(f"unknown field {{{name}}}; expected {', '.join('{%s}' % a for a in allowed)} "
+                                 "(write a literal brace as {{ or }})")
+        return value
+
+
 class StepLabelSettings(SamplingSettings):
     """Math-Shepherd step labels: each step prefix of a sampled solution is completed `rollouts` times."""
 
@@ -163,6 +211,7 @@ SETTINGS: dict[str, type[PluginConfig]] = {
     "preference": TrainSettings,
     "rl": RLSettings,
     "rejection_sampling": SampleSettings,
+    "critique_revise": CritiqueSettings,
     "step_labels": StepLabelSettings,
     "evaluate": EvaluateSettings,
 }

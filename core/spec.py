@@ -37,6 +37,11 @@ KIND_RULES: dict[str, dict[str, Any]] = {
     "rejection_sampling": {"inputs": {"model", "dataset", "reward_model", "prm"},
                            "required": {"model", "dataset"}, "plugins": {"rewards", "sampler"},
                            "needs_rewards": True},
+    # Constitutional AI: `model` answers, critiques its answer against a principle drawn from the `constitution`
+    # file and revises it; rewards, when listed, score the original and the revision.
+    "critique_revise": {"inputs": {"model", "dataset", "constitution", "reward_model", "prm"},
+                        "required": {"model", "dataset", "constitution"}, "plugins": {"rewards", "sampler"},
+                        "samples": True},  # generates with or without rewards: its sampler is always filled in
     # Math-Shepherd: `model` samples solutions, `completer` (default: `model`) completes their step
     # prefixes, the rewards judge the completions.
     "step_labels": {"inputs": {"model", "dataset", "completer"}, "required": {"model", "dataset"},
@@ -248,7 +253,7 @@ def check_shape(name: str, stage: StageSpec, source: str) -> None:
         raise SpecError(f"{where}, algorithm: required by a {stage.kind!r} stage")
     if rules.get("needs_rewards") and not stage.rewards:
         raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
-    if stage.sampler is None and stage.rewards and "sampler" in rules["plugins"]:
+    if stage.sampler is None and (stage.rewards or rules.get("samples")) and "sampler" in rules["plugins"]:
         stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
     _check_settings(where, stage)
 

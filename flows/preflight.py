@@ -15,9 +15,10 @@ from pathlib import Path
 
 import yaml
 
+from alignflow.core.constitution import constitution_problems
 from alignflow.core.data import check_row
 from alignflow.core.errors import SpecError
-from alignflow.core.settings import sampled_rows
+from alignflow.core.settings import critique_rows, sampled_rows
 from alignflow.core.spec import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
 from alignflow.flows.digest import resolve_input
 from alignflow.flows.overrides import apply_overrides
@@ -47,6 +48,8 @@ def dataset_schema(stage: StageSpec, plugins) -> str | None:
         return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
     if stage.kind == "rejection_sampling":
         return sampled_rows(stage.settings.get("output", "sft"))
+    if stage.kind == "critique_revise":
+        return critique_rows(bool(stage.rewards))
     return DATASET_SCHEMA.get(stage.kind)
 
 
@@ -99,6 +102,10 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
             continue
         references = stage.references()
         for field, value in sorted(stage.inputs.items()):
+            if field == "constitution" and field in references and not rows_only:
+                problems.append(f"stage {label!r}, inputs.{field}: {value!r}: expected a text file of principles, "
+                                "not a stage's output")
+                continue
             if field in references or bundled(value, project) or (rows_only and field != "dataset"):
                 continue
             if (label, field, value) in seen:
@@ -109,6 +116,9 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
             except SpecError as exc:
                 if not rows_only:  # reported by the first pass
                     problems.append(f"stage {label!r}, inputs.{field}: {exc}")
+                continue
+            if field == "constitution":
+                problems += [f"stage {label!r}, inputs.{field}: {p}" for p in constitution_problems(resolved)]
                 continue
             if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
                 continue
@@ -142,13 +152,32 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
-    problems += plugin_problems(spec, source, plugins, skip=misshapen)
+    with_plugins = plugin_problems(spec, source, plugins, skip=misshapen)
+    problems += with_plugins + cost_reward_problems(spec, source, plugins, misshapen | stages_of(with_plugins))
     # A preference stage's rows follow its algorithm (pairs or labelled rows): checked once it is loaded.
     preference = {name for name, stage in spec.stages.items()
                   if stage.kind == "preference" and spec.label(name) not in misshapen}
     problems += input_problems(spec, project, plugins, preference, rows_only=True)
     raise_all(pipeline, problems, shown)
     return spec
+
+
+def cost_reward_problems(spec: PipelineSpec, source: str, plugins, skip: set[str]) -> list[str]:
+    """Each rl stage whose algorithm's `cost_reward` is not one of its rewards, or has a weight other than 0
+    (the stage checks it again as it builds); stages in `skip` already have a problem reported."""
+    from alignflow.core.rl import cost_reward_problem
+    from alignflow.core.spec import validate_config
+
+    problems = []
+    for name, stage in spec.written().items():
+        if stage.kind != "rl" or stage.algorithm is None or name in skip:
+            continue
+        cls = plugins.algorithms.get(stage.algorithm.name)
+        algo = cls(validate_config(cls, stage.algorithm.config, f"stage {name!r}, algorithm.config"))
+        problem = cost_reward_problem(algo, stage.rewards)
+        if problem:
+            problems.append(f"{source}: stage {name!r}, {problem}")
+    return problems
 
 
 def raise_all(pipeline: Path, problems: list[str], shown: int) -> None:

@@ -78,11 +78,12 @@ def _runners() -> dict[str, Runner]:
     from alignflow.flows.stages.prm import run_prm
     from alignflow.flows.stages.step_labels import run_step_labels
     from alignflow.flows.stages.rejection import run_rejection_sampling
+    from alignflow.flows.stages.critique import run_critique_revise
     from alignflow.flows.stages.rl import run_rl
 
     return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate, "preference": run_preference,
             "reward_model": run_reward_model, "prm": run_prm, "rejection_sampling": run_rejection_sampling,
-            "step_labels": run_step_labels, "rl": run_rl}
+            "critique_revise": run_critique_revise, "step_labels": run_step_labels, "rl": run_rl}
 
 
 # Stage kind -> runner. Training kinds join here as their runners land.

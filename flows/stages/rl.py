@@ -24,6 +24,7 @@ from alignflow.core.engine import Engine, frozen
 from alignflow.core.errors import SpecError
 from alignflow.core.models import token_logprobs
 from alignflow.core.progress import progress
+from alignflow.core.rl import cost_reward_problem
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
@@ -130,6 +131,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    if problem := cost_reward_problem(algo, ctx.spec.rewards):  # before any model loads
+        raise SpecError(f"stage {ctx.name!r}, {problem}")
     check_ranks(ctx)
     if s.overlap_rollouts:
         check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
@@ -154,6 +157,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
     state = engine.data_state or {}  # a resumed run goes on with its checkpoint's buffer and success table
+    algo.load_state_dict(state.get("algorithm") or {})  # and the algorithm's own state (RePO's multiplier)
     replay = ReplayBuffer(algo, s.prompts_per_step, ctx.seed, state.get("replay"), f"stage {ctx.name!r}, ")
     prompts = PromptDraw(len(dataset), replay.fresh, ctx.seed, s.prompt_sampling, state.get("prompts"))
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
@@ -226,7 +230,8 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
                 ctx.log_metrics(metrics, step + 1)
             if critic is not None:  # first, so the policy's newest checkpoint always has its critic
                 critic.maybe_save({"step": step + 1})
-            engine.maybe_save({"step": step + 1, "replay": p.replay.state(), "prompts": p.prompts.state()})
+            engine.maybe_save({"step": step + 1, "replay": p.replay.state(), "prompts": p.prompts.state(),
+                               "algorithm": p.algo.state_dict()})
     if hasattr(engine.module, EXTRA):
         delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
@@ -282,7 +287,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
         fill["teacher_logprobs"] = logprobs(p.teacher)
     if p.critic is not None:
         fill["values"] = partial(critic_values, p.critic.model)
-    batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens).to(p.engine.device)
+    batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens, p.algo.cost_reward).to(p.engine.device)
     batch = prepare(batch, s.micro_batch_size, **fill)
     # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
     # taken when `fill` recomputed pi_old for every row).

@@ -7,6 +7,7 @@ regenerates exactly the rollouts an uninterrupted run would.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, fields, replace
 
@@ -161,7 +162,8 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        keep = algo.filter_groups(to_batch(samples, pad_id, s.generation.max_new_tokens).rollout)
+        batch = to_batch(samples, pad_id, s.generation.max_new_tokens, algo.cost_reward)
+        keep = algo.filter_groups(batch.rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
         groups = passing[: want - n_kept]
@@ -232,8 +234,9 @@ def whole_round(samples: Samples) -> Samples:
     return joined.take(sorted(range(len(joined)), key=joined.group.__getitem__))
 
 
-def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
-    """Right-pad prompt+completion ids to the longest sequence; the sampler's log-probs as pi_old."""
+def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | None = None) -> Batch:
+    """Right-pad prompt+completion ids to the longest sequence; the sampler's log-probs as pi_old; `cost`, the
+    label of the algorithm's cost reward, gives `Rollout.costs` its raw values (NaN where it failed)."""
     prompt_len = [len(p) for p in samples.prompt_ids]
     seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids = pad(seqs, pad_id)
@@ -255,6 +258,8 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int) -> Batch:
         correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
         step_rewards=step_rewards, step_mask=step_mask, sampler_logprobs=sampled,
         guided=None if samples.guided is None else torch.tensor(samples.guided, dtype=torch.bool),
+        costs=None if cost is None else torch.tensor([math.nan if v is None else v for v in samples.values[cost]],
+                                                     dtype=torch.float32),
     )
     return Batch(ids, attention, rollout)
 

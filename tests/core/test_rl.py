@@ -131,6 +131,9 @@ def drive(algo, rollout) -> torch.Tensor:
     return total
 
 
+REQUIRED_CONFIG = {"repo": {"cost_reward": "cost"}}  # config fields without a default
+
+
 def test_every_registered_rl_algorithm_runs_through_the_contract():
     from alignflow.core import get_plugins
 
@@ -147,8 +150,9 @@ def test_every_registered_rl_algorithm_runs_through_the_contract():
                            old_logprobs=torch.full((8, 5), -1.0), ref_logprobs=torch.full((8, 5), -1.1),
                            values=torch.full((8, 5), 0.5), teacher_logprobs=torch.full((8, 5), -0.9),
                            max_new_tokens=5,
-                           step_rewards=step_mask * torch.linspace(0, 1, 8)[:, None], step_mask=step_mask)
+                           step_rewards=step_mask * torch.linspace(0, 1, 8)[:, None], step_mask=step_mask,
+                           costs=torch.tensor([1.0, 0, -1, 0, 2, 0, 0, float("nan")]))
     for entry in rl:
-        algo = entry.obj()
+        algo = entry.obj(entry.obj.Config(**REQUIRED_CONFIG.get(entry.name, {})))
         assert isinstance(algo, RLAlgorithm)
         assert torch.isfinite(drive(algo, rollout)), entry.name

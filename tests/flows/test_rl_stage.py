@@ -82,16 +82,23 @@ KEYS = {"accuracy", "reward/total/mean", "reward/total/std", "reward/ascii_first
         "sampling/rounds", "perf/tokens_per_s", "time/generate", "time/score", "time/prepare", "time/train"}
 
 
+# config fields without a default, and the rewards they name (a cost reward is listed with weight 0)
+REQUIRED = {"repo": ({"cost_reward": "odd_prompt"}, [{"name": "odd_prompt", "weight": 0}])}
+
+
 @pytest.mark.parametrize("name", RL_ALGORITHMS)
 def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, name):
     log = []
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
-    algo = plugins.algorithms.get(name)()
+    config, cost = REQUIRED.get(name, ({}, []))
+    cls = plugins.algorithms.get(name)
+    algo, spec = cls(cls.Config(**config)), {"name": name, "config": config}
     if algo.requires_step_rewards:  # a process reward scores the steps; long enough to have some
-        ctx = make_ctx(tmp_path, plugins, tiny, name, data, log, generation={"max_new_tokens": 24})
+        ctx = make_ctx(tmp_path, plugins, tiny, spec, data, log, ("ascii_first", *cost),
+                       generation={"max_new_tokens": 24})
         with_prm(ctx, tiny, tmp_path)
     else:
-        ctx = make_ctx(tmp_path, plugins, tiny, name, data, log)
+        ctx = make_ctx(tmp_path, plugins, tiny, spec, data, log, ("ascii_first", *cost))
     if algo.requires_teacher:  # another model, so that the distillation advantages are not ~0
         ctx.inputs["teacher"] = build_tiny(tmp_path / "teacher", seed=1)
     result = run_rl(ctx)

@@ -1,0 +1,44 @@
+"""forbidden cost: C = occurrences of the forbidden strings - budget, violations counted beside it."""
+
+import pytest
+from pydantic import ValidationError
+
+from alignflow.core.plugins import get_plugins
+from alignflow.core.rewards import RewardSet
+from alignflow.plugins.forbidden import Forbidden
+
+COMPLETIONS = ["<think>8*4=32</think><answer>32</answer>",  # "2<" twice
+               "<think>2+9=11 1+8+1=10</think><answer>601</answer>",  # none
+               "2<2<2<"]  # three, no overlaps
+
+
+def test_cost_is_occurrences_minus_budget():
+    cost = Forbidden(Forbidden.Config(strings=["2<"]))
+    scores = cost(["p"] * 3, COMPLETIONS)
+    assert list(scores) == [2.0, 0.0, 3.0] and scores.counts == {"violated": 2.0}
+    # budget 2: C = count - 2, a violation only above two occurrences
+    scores = Forbidden(Forbidden.Config(strings=["2<"], budget=2))(["p"] * 3, COMPLETIONS)
+    assert list(scores) == [0.0, -2.0, 1.0] and scores.counts == {"violated": 1.0}
+
+
+def test_several_strings_add_up_without_overlaps():
+    cost = Forbidden(Forbidden.Config(strings=["=1", "aa"]))
+    # "=11" and "=10" hold "=1" twice; "aaaa" holds "aa" twice (str.count does not overlap)
+    assert list(cost(["p"] * 2, [COMPLETIONS[1], "aaaa"])) == [2.0, 2.0]
+
+
+def test_config_is_checked():
+    with pytest.raises(ValidationError, match="strings"):
+        Forbidden.Config()
+    with pytest.raises(ValidationError, match="every forbidden string needs a character"):
+        Forbidden.Config(strings=["x", ""])
+    with pytest.raises(ValidationError, match="budget"):
+        Forbidden.Config(strings=["x"], budget=-1)
+
+
+def test_as_a_weight_zero_reward_it_is_measured_not_added():
+    rewards = RewardSet.from_refs([("math_accuracy", 1.0), ("forbidden", 0.0, {"strings": ["2<"]})], get_plugins())
+    out = rewards(["8*4=", "112+489=", "p"], COMPLETIONS, answer=["32", "601", "0"])
+    assert out.total == [1.0, 1.0, 0.0]  # math_accuracy alone
+    assert out.values["forbidden"] == [2.0, 0.0, 3.0]
+    assert out.metrics["reward/forbidden/violated"] == 2.0
