@@ -101,7 +101,7 @@ def run_critique_revise(ctx: StageContext) -> StageResult:
     principles = read_principles(ctx.inputs["constitution"])
     rows = load_rows(ctx.inputs["dataset"], critique_rows(bool(ctx.spec.rewards))).to_list()
     rewards = reward_set(ctx) if ctx.spec.rewards else None
-    if ctx.spec.sampler is None:  # the spec fills in the default sampler only for stages that list rewards
+    if ctx.spec.sampler is None:  # parse_spec fills it in; a spec built by hand may not have
         ctx = dataclasses.replace(ctx, spec=ctx.spec.model_copy(update={"sampler": PluginRef(name=DEFAULT_SAMPLER)}))
     with loaded_sampler(ctx) as (sampler, tokenizer):
         answers = generate(sampler, tokenizer, rows, s.n, s.generation, ctx.seed)
