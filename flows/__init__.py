@@ -18,7 +18,7 @@ _EXPORTS = {
     "PipelineReport": "alignflow.flows.report",
     "StageContext": "alignflow.flows.stages",
     "StageResult": "alignflow.flows.stages",
-    "RUNNERS": "alignflow.flows.stages",
+    "RUNNERS": "alignflow.flows.stages.registry",
 }
 __all__ = sorted(_EXPORTS)
 

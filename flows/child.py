@@ -127,7 +127,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
         from alignflow.core.plugins import get_plugins
         from alignflow.core.settings import settings_model
         from alignflow.core.spec import StageSpec
-        from alignflow.flows.stages import RUNNERS
+        from alignflow.flows.stages.registry import RUNNERS
 
         torch.set_num_threads(payload["threads"])
         plugins = get_plugins()

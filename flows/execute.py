@@ -20,7 +20,8 @@ from alignflow.core.settings import settings_model
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.plan import StagePlan
 from alignflow.flows.child import can_run_in_child, run_in_child
-from alignflow.flows.stages import OUTPUT_OF_INPUT, RUNNERS, StageContext, StageResult
+from alignflow.flows.stages import OUTPUT_OF_INPUT, StageContext, StageResult
+from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import StageRun, Tracker
 
 log = logging.getLogger(__name__)

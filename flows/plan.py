@@ -35,7 +35,7 @@ class StagePlan:
 
 def runner_version(kind: str) -> dict:
     """The runner's module and a hash of its code and the alignflow code it imports: an edit reruns the stage."""
-    from alignflow.flows.stages import RUNNERS
+    from alignflow.flows.stages.registry import RUNNERS
 
     runner = RUNNERS[kind]
     return {"module": runner.__module__, "source": dg.code_hash(runner.__module__)}

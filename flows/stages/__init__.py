@@ -1,6 +1,6 @@
 """The stage-runner contract: what the pipeline gives a stage, and what a stage gives back.
 
-A runner is `run(ctx: StageContext) -> StageResult`, registered in `RUNNERS` under its stage kind.
+A runner is `run(ctx: StageContext) -> StageResult`, registered in `registry.RUNNERS` under its stage kind.
 It writes its outputs under `ctx.work_dir` and its resumable state under `ctx.checkpoint_dir`; the
 pipeline owns digests, locking, the manifest, MLflow and Prefect, so a runner never touches them.
 """
@@ -67,24 +67,3 @@ class StageResult:
 
 
 Runner = Callable[[StageContext], StageResult]
-
-
-def _runners() -> dict[str, Runner]:
-    from alignflow.flows.stages.select import run_select
-    from alignflow.flows.stages.evaluate import run_evaluate
-    from alignflow.flows.stages.sft import run_sft
-    from alignflow.flows.stages.preference import run_preference
-    from alignflow.flows.stages.reward_model import run_reward_model
-    from alignflow.flows.stages.prm import run_prm
-    from alignflow.flows.stages.step_labels import run_step_labels
-    from alignflow.flows.stages.rejection import run_rejection_sampling
-    from alignflow.flows.stages.critique import run_critique_revise
-    from alignflow.flows.stages.rl import run_rl
-
-    return {"select": run_select, "sft": run_sft, "evaluate": run_evaluate, "preference": run_preference,
-            "reward_model": run_reward_model, "prm": run_prm, "rejection_sampling": run_rejection_sampling,
-            "critique_revise": run_critique_revise, "step_labels": run_step_labels, "rl": run_rl}
-
-
-# Stage kind -> runner. Training kinds join here as their runners land.
-RUNNERS: dict[str, Runner] = _runners()

@@ -112,7 +112,7 @@ def test_every_stage_kind_has_rules_and_a_runner():
     from typing import get_args
 
     from alignflow.core.contracts import StageKind
-    from alignflow.flows.stages import RUNNERS
+    from alignflow.flows.stages.registry import RUNNERS
 
     assert set(get_args(StageKind)) == set(KIND_RULES) == set(RUNNERS)
 

@@ -7,7 +7,7 @@ from alignflow.core.spec import load_spec
 from alignflow.flows.artifacts import ArtifactStore, write_json_atomic
 from alignflow.flows.execute import execute_stage
 from alignflow.flows.plan import plan_pipeline
-from alignflow.flows.stages import RUNNERS
+from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import Tracker
 
 

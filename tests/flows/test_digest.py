@@ -193,3 +193,15 @@ def test_code_hash_follows_imports_made_inside_functions(tmp_path, monkeypatch):
     for name in ("lazypkg.runner", "lazypkg.helper", "lazypkg.sub", "lazypkg"):
         if name in sys.modules:
             monkeypatch.delitem(sys.modules, name)
+
+
+def test_a_runner_digest_reaches_its_helpers_and_not_the_other_runners():
+    """Every runner imports the runner contract (alignflow.flows.stages); the kind -> runner table that
+    imports every runner lives apart from it, so an edit to the rl stage does not rerun an sft stage."""
+    import alignflow.flows.stages.sft  # noqa: F401
+    from alignflow.flows.digest import _closure
+
+    reached = _closure("alignflow.flows.stages.sft", lambda dep: dep.startswith("alignflow."))
+    assert {"alignflow.flows.stages.training", "alignflow.core.models"} <= reached
+    assert not reached & {"alignflow.flows.stages.rl", "alignflow.flows.stages.critique",
+                          "alignflow.flows.stages.registry"}
