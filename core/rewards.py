@@ -91,6 +91,12 @@ def _as_ref(ref: Any) -> tuple[str, float, dict]:
     return ref.name, float(ref.weight), dict(ref.config)  # a spec RewardRef
 
 
+def reward_labels(names: list[str]) -> list[str]:
+    """Each listed reward's label: its name, or NAME_i (i its place in the list) for a reward listed twice, as
+    two judges."""
+    return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+
+
 class RewardSet:
     """Rewards combined by weight; None scores add 0 to the total and are counted, never fatal alone."""
 
@@ -108,13 +114,11 @@ class RewardSet:
 
             plugins = get_plugins()
         refs = [_as_ref(r) for r in refs]
-        counts = {name: sum(n == name for n, _, _ in refs) for name, _, _ in refs}
         rewards = []
-        for i, (name, weight, config) in enumerate(refs):
+        for i, ((name, weight, config), label) in enumerate(zip(refs, reward_labels([n for n, _, _ in refs]))):
             obj = plugins.rewards.get(name)
             validated = validate_config(obj, config, f"rewards[{i}] ({name}).config")
             fn = obj(validated) if inspect.isclass(obj) else obj
-            label = name if counts[name] == 1 else f"{name}_{i}"  # the same reward twice, e.g. two judges
             rewards.append(Reward(label, weight, fn))
         return cls(rewards)
 

@@ -26,7 +26,6 @@ which the stage keeps in its checkpoints.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar, Literal
 
@@ -36,6 +35,7 @@ from torch import Tensor, nn
 
 from alignflow.core.aggregation import AggMode
 from alignflow.core.contracts import Algorithm, PluginConfig
+from alignflow.core.rewards import reward_labels
 from alignflow.core.rl_parts import clipped_surrogate, group_ids, group_sum, kl_estimate, masked_mean
 
 
@@ -310,8 +310,7 @@ def cost_reward_problem(algo: RLAlgorithm, rewards: list) -> str | None:
     name = algo.cost_reward
     if name is None:
         return None
-    counts = Counter(r.name for r in rewards)
-    weights = {r.name if counts[r.name] == 1 else f"{r.name}_{i}": r.weight for i, r in enumerate(rewards)}
+    weights = dict(zip(reward_labels([r.name for r in rewards]), (r.weight for r in rewards)))
     if name not in weights:
         return (f"algorithm.config.cost_reward: {name!r} is not a reward of the stage (rewards: "
                 f"{', '.join(weights) or 'none'})")
