@@ -226,6 +226,11 @@ class RLAlgorithm(Algorithm):
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned."""
 
+    def step_metrics(self) -> dict[str, float]:
+        """Scalars the last `advantages` call measured (RePO's multiplier, SGPO's group counts); the stage logs
+        them with the step's metrics. Default: none."""
+        return {}
+
     def filter_groups(self, rollout: Rollout) -> Tensor:
         """[B] bool: the responses to train on. Default keeps all."""
         return torch.ones_like(rollout.rewards, dtype=torch.bool)

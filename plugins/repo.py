@@ -11,7 +11,7 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.rl import PolicyBatch, Rollout, broadcast
+from alignflow.core.rl import Rollout, broadcast
 from alignflow.core.rl_parts import group_normalize
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -53,7 +53,7 @@ class RePO(GRPO):
     def __init__(self, config: RePOConfig | None = None):
         super().__init__(config)
         self.lam = float(self.config.lambda_init)
-        # of the last rollout, logged with each loss: the lambda its advantages used, share violating, mean C
+        # of the last rollout (`step_metrics`): the lambda its advantages used, share violating, mean C
         self.stats = {"repo/lambda": self.lam, "repo/violation_rate": 0.0, "repo/cost_mean": 0.0,
                       "repo/cost_failed": 0.0}
 
@@ -80,10 +80,8 @@ class RePO(GRPO):
         self.lam = max(0.0, self.lam + self.config.lambda_lr * v.mean().item())
         return broadcast(scores, rollout.response_mask), None
 
-    def loss(self, batch: PolicyBatch):
-        loss, metrics = super().loss(batch)
-        metrics.update({k: torch.tensor(v) for k, v in self.stats.items() if math.isfinite(v)})
-        return loss, metrics
+    def step_metrics(self) -> dict[str, float]:
+        return {k: v for k, v in self.stats.items() if math.isfinite(v)}
 
     def state_dict(self) -> dict:
         return {"lambda": self.lam}

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.errors import DataError
-from alignflow.core.rl import PolicyBatch, Rollout, broadcast
+from alignflow.core.rl import Rollout, broadcast
 from alignflow.core.rl_parts import group_ids, group_normalize, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -56,7 +56,7 @@ class SGPO(GRPO):
 
     def __init__(self, config: SGPOConfig | None = None):
         super().__init__(config)
-        self.last_stats: dict[str, Tensor] = {}  # the last rollout's group counts, logged with every loss
+        self.last_stats: dict[str, float] = {}  # the last rollout's group counts (`step_metrics`)
 
     def graded_rewards(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
         """[B] rewards with the judge's graded score added in all-negative groups, and [B] bool: in such a group."""
@@ -79,18 +79,16 @@ class SGPO(GRPO):
         groups_negative = group_sum(negative.float(), inverse, n) > 0
         groups_live = group_sum((scores != 0).float(), inverse, n) > 0
         self.last_stats = {
-            "sgpo/groups": torch.tensor(float(n)),
-            "sgpo/all_negative_groups": groups_negative.sum().float(),
-            "sgpo/graded_groups": (groups_negative & groups_live).sum().float(),  # non-zero advantages
-            "sgpo/graded_score_mean": (rewards - rollout.rewards.float())[negative].mean()
-            if negative.any() else torch.tensor(0.0),
+            "sgpo/groups": float(n),
+            "sgpo/all_negative_groups": groups_negative.sum().item(),
+            "sgpo/graded_groups": (groups_negative & groups_live).sum().item(),  # non-zero advantages
+            "sgpo/graded_score_mean": (rewards - rollout.rewards.float())[negative].mean().item()
+            if negative.any() else 0.0,
         }
         return broadcast(scores, rollout.response_mask), None
 
-    def loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        loss, metrics = super().loss(batch)
-        # The same value on every micro-batch of the step, so the stage's mean over them is the step's count.
-        return loss, {**metrics, **{k: v.detach().to(loss.device) for k, v in self.last_stats.items()}}
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self.last_stats)
 
 
 @hookimpl

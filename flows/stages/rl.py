@@ -303,6 +303,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     end = time.perf_counter()
     generated = float(sum(len(c) for c in drawn.completion_ids))
     metrics.update(rollout_stats(batch.rollout, advantages))
+    metrics.update(p.algo.step_metrics())
     metrics.update({"time/prepare": trained - prepared, "time/train": end - trained, "time/step": end - start,
                     "perf/tokens": generated, "perf/tokens_per_s": generated / (end - start),
                     "perf/completions_per_s": len(drawn) / (end - start)})

@@ -93,13 +93,14 @@ def test_a_failed_cost_counts_as_a_violation():
         algo.advantages(no_costs)
 
 
-def test_the_loss_logs_lambda_and_the_violations():
+def test_the_step_metrics_give_lambda_and_the_violations():
     algo = RePO(RePOConfig(cost_reward="c", kl_loss_coef=0.0))
+    assert algo.step_metrics()["repo/lambda"] == 1.0  # before any rollout: lambda_0
     r = rollout([1.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0])
-    adv, _ = algo.advantages(r)
-    _, metrics = algo.loss(r.minibatch(torch.arange(4), logprobs=torch.full((4, 3), -1.0), advantages=adv))
-    assert metrics["repo/lambda"].item() == 1.0 and metrics["repo/violation_rate"].item() == 0.25
-    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    algo.advantages(r)
+    # the lambda the advantages used (1.0), not the one after this rollout's ascent step (1.0 + 0.1 x 0.25)
+    assert algo.step_metrics() == {"repo/lambda": 1.0, "repo/violation_rate": 0.25, "repo/cost_mean": 0.25,
+                                   "repo/cost_failed": 0.0}
 
 
 def test_state_dict_restores_lambda():
