@@ -116,9 +116,9 @@ def default_text(value: Any) -> str:
 
 
 # The settings models of docs/CONTRACTS.md, in its order: each stage kind's, then the nested blocks.
-SETTINGS_MODELS = ("TrainSettings", "RLSettings", "PRMSettings", "SelectSettings", "SamplingSettings",
+SETTINGS_MODELS = ("TrainSettings", "PolicySettings", "RLSettings", "PRMSettings", "SelectSettings", "SamplingSettings",
                    "SampleSettings", "CritiqueSettings", "StepLabelSettings", "EvaluateSettings",
-                   "GenerationSettings", "ModelOptions")
+                   "GenerationSettings", "ModelOptions", "LoraSettings")
 
 
 def _cell(text: str, code: bool = False) -> str:

@@ -107,11 +107,26 @@ def ds_config(settings: TrainSettings, world_size: int, num_params: int) -> dict
         # the loop, not a micro-step counter, decides when a step ends (RL steps vary in micro-batches)
         "managed_gradient_accumulation": False,
         "gradient_clipping": settings.grad_clip,
-        "zero_optimization": {"stage": settings.zero_stage, **_buckets(num_params)},
+        "zero_optimization": {"stage": settings.zero_stage, **_buckets(num_params), **_offload(settings)},
         "bf16": {"enabled": settings.dtype == "bf16"},
         "steps_per_print": 2**31 - 1,
         "zero_allow_untested_optimizer": True,  # torch's own AdamW and SGD, which ZeRO wraps like any other
+        # Offloaded, torch's optimizer steps the CPU-held fp32 partitions: DeepSpeed refuses a client
+        # optimizer there by default (its DeepSpeedCPUAdam is faster but a JIT-compiled op a CPU install may lack)
+        "zero_force_ds_cpu_optimizer": False,
     }
+
+
+def _offload(settings: TrainSettings) -> dict[str, Any]:
+    """ZeRO-Offload's placement: `offload_optimizer`, and at ZeRO-3 `offload_param` (TrainSettings refuses the
+    combinations DeepSpeed cannot run). Pinned host memory makes the GPU<->CPU copies asynchronous; DeepSpeed's
+    CPU accelerator ignores it."""
+    placed = {}
+    if settings.offload_optimizer != "none":
+        placed["offload_optimizer"] = {"device": settings.offload_optimizer, "pin_memory": True}
+    if settings.offload_params != "none":
+        placed["offload_param"] = {"device": settings.offload_params, "pin_memory": True}
+    return placed
 
 
 def _buckets(num_params: int) -> dict[str, int]:

@@ -70,7 +70,130 @@ def _from_pretrained(auto_cls, name_or_path, dtype: str, **kwargs: Any):
         log.warning(
             "dtype bf16 on a CPU without AVX-512 BF16 or AMX (%s): its matmuls run emulated, several times "
             "slower than fp32 (6x for the tiny model)", torch.backends.cpu.get_cpu_capability())
+    if is_adapter_dir(name_or_path):
+        return _with_merged_adapters(auto_cls, Path(name_or_path), dtype, **kwargs)
     return auto_cls.from_pretrained(str(name_or_path), dtype=DTYPES[dtype], **kwargs)
+
+
+# -- LoRA adapters (peft) ------------------------------------------------------------------------
+
+ADAPTER_CONFIG = "adapter_config.json"  # peft's: what makes a folder adapters rather than a whole model
+
+
+def is_adapter_dir(name_or_path) -> bool:
+    """Whether a model input is a folder of peft adapters (a LoRA stage's `model` output without merge)."""
+    return (Path(str(name_or_path)) / ADAPTER_CONFIG).is_file()
+
+
+def _with_merged_adapters(auto_cls, folder: Path, dtype: str, **kwargs: Any):
+    """The adapters' base model (adapter_config.json's `base_model_name_or_path`, `builtin:tiny` rebuilt) with
+    the adapters merged into its weights: an ordinary model, as a merged checkpoint would load."""
+    import json
+    import tempfile
+
+    from peft import PeftModel
+
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise AlignflowError(f"{folder / ADAPTER_CONFIG}: no base_model_name_or_path, so the model these adapters "
+                             "extend is unknown")
+    output_info = kwargs.pop("output_loading_info", False)
+    with tempfile.TemporaryDirectory() as tmp:
+        if base == "builtin:tiny":
+            base = build_tiny(Path(tmp), seed=0)
+        try:  # a base that is adapters itself (LoRA on a LoRA stage's output) loads merged, recursively
+            loaded = _from_pretrained(auto_cls, base, dtype, output_loading_info=output_info, **kwargs)
+        except OSError as exc:
+            raise AlignflowError(f"{folder / ADAPTER_CONFIG}: cannot load the base model {base!r} these adapters "
+                                 f"extend ({exc})") from None
+        model, info = loaded if output_info else (loaded, None)
+        model = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
+    return (model, info) if output_info else model
+
+
+def with_lora(model, lora, base_name: str, seed: int = 0):
+    """`model` wrapped in peft's LoRA adapters as `lora` (core.settings.LoraSettings) says; only they train.
+    `base_name` is recorded as the adapters' base (adapter_config.json), for loading them back. A's random init
+    is drawn from `seed` (the caller's RNG untouched): the same stage starts from the same adapters."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha or lora.r, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(model, config)
+    except ValueError as exc:  # e.g. target_modules matching no module
+        raise AlignflowError(f"settings.lora.target_modules={lora.target_modules!r}: {exc}") from None
+    peft_model.peft_config["default"].base_model_name_or_path = str(base_name)
+    return peft_model
+
+
+def has_adapters(model) -> bool:
+    """Whether `model` (or a DeepSpeed engine's module) is a peft model with adapters."""
+    return hasattr(getattr(model, "module", model), "disable_adapter")
+
+
+def merged_state_dict(model) -> dict[str, Tensor]:
+    """A peft LoRA model's weights under its base model's own names, each adapted weight W as W + its adapters'
+    deltas (peft's `get_delta_weight`: (alpha / r) B A); the module itself is left as it is (merging in place and
+    back would move the base weights by the rounding of W + d - d on every call)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas: dict[str, Tensor] = {}
+    for name, layer in base.named_modules():
+        if isinstance(layer, LoraLayer) and not layer.merged:
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    delta = layer.get_delta_weight(adapter)
+                    key = f"{name}.weight"
+                    deltas[key] = deltas[key] + delta if key in deltas else delta
+    state = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        state[key] = value + deltas[key].to(value.dtype) if key in deltas else value
+    return state
+
+
+class AdaptersOff(torch.nn.Module):
+    """The base model under a peft policy, as a reference: its forward is the policy's with the adapters
+    switched off (`disable_adapter`), so the reference costs no second copy of the weights. The policy is held
+    outside the module tree: nothing may freeze, move or save it through this wrapper (`parameters()` lists the
+    policy's, for what reads the dtype or device from them)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self._policy = (policy,)
+
+    @property
+    def module(self):
+        """The policy module (packing probes its class, which shares the base's attention)."""
+        return self._policy[0]
+
+    @property
+    def config(self):
+        return self.module.config
+
+    def parameters(self, recurse: bool = True):
+        return self.module.parameters(recurse)
+
+    @property
+    def device(self):
+        return self.module.device
+
+    def forward(self, *args, **kwargs):
+        policy = self.module
+        training = policy.training
+        policy.eval()  # as a frozen reference would be: no dropout
+        try:
+            with policy.disable_adapter():
+                return policy(*args, **kwargs)
+        finally:
+            policy.train(training)
 
 
 def load_model(name_or_path: str | Path, *, dtype: str = "fp32", attn_implementation: str | None = None,

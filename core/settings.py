@@ -54,6 +54,12 @@ class TrainSettings(PluginConfig):
     max_length: int = Field(512, ge=8)
     grad_clip: float = 1.0
     zero_stage: Literal[0, 1, 2, 3] = 0
+    # ZeRO-Offload (arXiv 2101.06840) / ZeRO-Infinity (arXiv 2104.07857): keep the fp32 master weights,
+    # gradients and Adam moments (16 of the 18 bytes a parameter's states cost under bf16) in CPU memory and
+    # step them there; `offload_params` also keeps the 16-bit weights on the CPU between uses (ZeRO-3 only,
+    # and with the optimizer offloaded). DeepSpeed's `device: none|cpu` values.
+    offload_optimizer: Literal["none", "cpu"] = "none"  # cpu: optimizer states on the CPU (zero_stage 1-3)
+    offload_params: Literal["none", "cpu"] = "none"  # cpu: weights on the CPU too (zero_stage 3, optimizer offloaded)
     dtype: Literal["fp32", "bf16"] = "fp32"
     save_every: int = Field(50, ge=1)  # optimizer steps between resumable checkpoints
     log_every: int = Field(10, ge=1)  # optimizer steps between metric logs
@@ -63,8 +69,53 @@ class TrainSettings(PluginConfig):
 
     _greedy_eval = field_validator("eval_generation", mode="before")(greedy_unless_said)
 
+    @field_validator("offload_optimizer")
+    @classmethod
+    def _offload_needs_zero(cls, value: str, info) -> str:
+        if value != "none" and info.data.get("zero_stage") == 0:
+            raise ValueError(f"offload_optimizer: {value} needs zero_stage 1, 2 or 3 (ZeRO-0 keeps the optimizer "
+                             "on the GPU); got zero_stage 0")
+        return value
 
-class RLSettings(TrainSettings):
+    @field_validator("offload_params")
+    @classmethod
+    def _offload_params_needs_zero3(cls, value: str, info) -> str:
+        if value == "none":
+            return value
+        stage = info.data.get("zero_stage")
+        if stage is not None and stage != 3:
+            raise ValueError(f"offload_params: {value} needs zero_stage 3 (only ZeRO-3 partitions the weights); "
+                             f"got zero_stage {stage}")
+        if info.data.get("offload_optimizer", "none") == "none":
+            raise ValueError(f"offload_params: {value} needs offload_optimizer: {value} too (the optimizer's "
+                             "16 bytes a parameter would stay on the GPU to save its 2)")
+        return value
+
+
+class LoraSettings(PluginConfig):
+    """LoRA adapters (Hu et al. 2021, arXiv 2106.09685) on the policy, through `peft`: each targeted weight W
+    becomes W + (alpha / r) B A with B [out, r] (zero at start) and A [r, in] the only trained tensors, so the
+    stage starts from the base model's outputs exactly. The reference of preference and rl stages is then the
+    base itself (the adapters switched off), not a second copy of the weights."""
+
+    r: int = Field(0, ge=0)  # adapter rank; 0: no adapters, every weight trains
+    alpha: float | None = Field(None, gt=0.0)  # None: alpha = r, scale 1 (Hu et al. set alpha to the first r tried)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input; peft's default 0
+    # peft's "all-linear": every linear layer but the output head (QLoRA, arXiv 2305.14314: adapters on all
+    # linear layers are needed to match full fine-tuning), or a list of module names (q_proj, v_proj, ...)
+    target_modules: str | list[str] = "all-linear"
+    # true: the `model` output is the merged full checkpoint (the adapters in its adapter/ folder); false: the
+    # adapters themselves, which load as their base (adapter_config.json's base_model_name_or_path) plus them
+    merge: bool = False
+
+
+class PolicySettings(TrainSettings):
+    """Training stages of a causal-LM policy (`sft`, `preference`, `rl`), which may train LoRA adapters only."""
+
+    lora: LoraSettings = Field(default_factory=LoraSettings)  # adapters instead of every weight; off (r 0)
+
+
+class RLSettings(PolicySettings):
     """Online RL: `max_steps` counts rollouts; `batch_size`/`micro_batch_size` count sequences."""
 
     prompts_per_step: int = Field(16, ge=1)
@@ -205,10 +256,10 @@ class EvaluateSettings(SamplingSettings):
 
 SETTINGS: dict[str, type[PluginConfig]] = {
     "select": SelectSettings,
-    "sft": TrainSettings,
+    "sft": PolicySettings,
     "reward_model": TrainSettings,
     "prm": PRMSettings,
-    "preference": TrainSettings,
+    "preference": PolicySettings,
     "rl": RLSettings,
     "rejection_sampling": SampleSettings,
     "critique_revise": CritiqueSettings,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import graphlib
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +79,14 @@ class StageSpec(BaseModel):
     sampler: PluginRef | None = None
     selectors: list[PluginRef] = Field(default_factory=list)
     settings: dict[str, Any] = Field(default_factory=dict)
+    # The Prefect work pool whose worker runs this stage (flows/remote.py); None: the pipeline's own
+    # process. Where a stage runs is not part of its digest: moving it between pools reuses its artifact.
+    pool: str | None = None
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v):
+        return check_pool_name(v) if v is not None else v
 
     @field_validator("algorithm", "sampler", mode="before")
     @classmethod
@@ -102,9 +111,20 @@ class PipelineSpec(BaseModel):
     description: str = ""
     seed: int = 0
     stages: dict[str, StageSpec]
+    pools: dict[StageKind, str] = Field(default_factory=dict)  # stage kind -> work pool, where `pool` is unset
     _loops: dict[str, LoopSpec] = PrivateAttr(default_factory=dict)
     _rounds: dict[str, RoundOf] = PrivateAttr(default_factory=dict)  # unrolled stage -> its loop and round
     _written: dict[str, StageSpec] | None = PrivateAttr(default=None)
+
+    @field_validator("pools")
+    @classmethod
+    def _pools(cls, v):
+        return {kind: check_pool_name(pool) for kind, pool in v.items()}
+
+    def pool_of(self, name: str) -> str | None:
+        """The work pool stage `name` runs on: its own `pool`, else `pools` by its kind, else None (here)."""
+        stage = self.stages[name]
+        return stage.pool if stage.pool is not None else self.pools.get(stage.kind)
 
     def order(self) -> list[str]:
         """Stage names in dependency order (each after every stage it reads from)."""
@@ -127,6 +147,17 @@ class PipelineSpec(BaseModel):
     def written(self) -> dict[str, StageSpec]:
         """Each stage once, as written: a loop stage under its label, not once per round."""
         return self.stages if self._written is None else self._written
+
+
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_pool_name(name: str) -> str:
+    """A work pool name that is also a deployment name (`alignflow-stage/NAME`): no `/`, spaces or quotes."""
+    if not POOL_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a work pool name: expected letters, digits, '_', '.', '-' "
+                         "(starting with a letter or digit)")
+    return name
 
 
 def loc_text(loc: tuple) -> str:

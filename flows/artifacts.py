@@ -2,6 +2,7 @@
 
 The manifest is written last and atomically, so its presence means the outputs are complete.
 A lock file beside each artifact folder serialises concurrent runs of the same stage.
+A URL root (`s3://bucket/prefix`, any fsspec protocol) is a `RemoteArtifactStore` (flows/remote_store.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,30 @@ MANIFEST = "manifest.json"
 CURVES = "curves.json"  # step metrics, kept so a cached stage can still be plotted
 
 
+def is_url(root: str | Path | None) -> bool:
+    """A root with a protocol (`s3://...`, `file://...`); a `Path` never is one."""
+    return isinstance(root, str) and "://" in root
+
+
+def open_store(root: str | Path) -> ArtifactStore:
+    """The store at `root`: a local folder, or an fsspec URL (`s3://bucket/prefix`, `file://`, `memory://`)."""
+    if not is_url(root):
+        return ArtifactStore(Path(root))
+    from alignflow.flows.remote_store import RemoteArtifactStore  # imports fsspec when it is used
+
+    return RemoteArtifactStore(root)
+
+
 class ArtifactStore:
     """The artifacts root; one folder per (stage name, digest)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
+
+    @property
+    def location(self) -> str:
+        """The root as another process on this or another machine opens it (`open_store`)."""
+        return str(self.root)
 
     def folder(self, stage: str, digest: str) -> Path:
         return self.root / stage / digest
@@ -56,6 +76,13 @@ class ArtifactStore:
         folder = self.folder(stage, manifest["digest"])
         return {k: folder / v for k, v in manifest["outputs"].items()}
 
+    def fetch(self, stage: str, digest: str) -> None:
+        """Make a finished artifact's outputs readable at `outputs()`: they already are, in a local store."""
+
+    def published(self, manifest: dict, stage: str) -> dict[str, str]:
+        """Output URIs, for records other machines read (the MLflow model registry)."""
+        return {k: v.resolve().as_uri() for k, v in self.outputs(manifest, stage).items()}
+
     def fresh_work_dir(self, stage: str, digest: str) -> Path:
         """An empty `work/`: leftovers of an interrupted run are partial outputs, never reused."""
         work = self.work_dir(stage, digest)
@@ -74,12 +101,7 @@ class ArtifactStore:
         """Move `work/` to `out/`, drop the checkpoints, then write the manifest; returns it."""
         folder = self.folder(stage, digest)
         work, out = folder / "work", folder / "out"
-        relative = {}
-        for key, path in outputs.items():
-            try:
-                relative[key] = (Path("out") / Path(path).resolve().relative_to(work.resolve())).as_posix()
-            except ValueError:
-                raise ValueError(f"stage {stage!r} output {key!r}: {path} is not under {work}") from None
+        relative = self.relative_outputs(stage, digest, outputs)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(work, out)
         # A finished stage is never resumed, and optimizer state is often larger than the model.
@@ -88,6 +110,16 @@ class ArtifactStore:
         manifest = {**manifest, "outputs": relative}
         write_json_atomic(folder / MANIFEST, manifest)
         return manifest
+
+    def relative_outputs(self, stage: str, digest: str, outputs: dict[str, Path]) -> dict[str, str]:
+        """{key: "out/..."}: the runner's outputs under `work/` as they will be after the move."""
+        work, relative = self.work_dir(stage, digest), {}
+        for key, path in outputs.items():
+            try:
+                relative[key] = (Path("out") / Path(path).resolve().relative_to(work.resolve())).as_posix()
+            except ValueError:
+                raise ValueError(f"stage {stage!r} output {key!r}: {path} is not under {work}") from None
+        return relative
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:

@@ -9,9 +9,9 @@ ends with the result or the error. A stage gives the same result in either place
 code, and the same share of torch threads (flows/execute.py gives both the same). A child stops
 when the pipeline's process dies, so no orphan keeps writing into a stage that a rerun resumes.
 
-With `ranks > 1` the stage runs data-parallel: one child per rank in one process group (as torchrun
-would start them: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), rank 0 reporting metrics and the
-result, and every rank's error reaching the parent.
+With `ranks > 1`, or on several nodes, the stage runs data-parallel: torch's elastic launcher
+(flows/nodes.py) starts one process per rank in one process group, rank 0 reports metrics and the
+result, and any rank's failure stops every rank, on every node, with the failed rank named.
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ def can_run_in_child(plugins) -> bool:
     return not launched and plugin_recipe(plugins) is not None
 
 
-def _payload(kind: str, ctx: StageContext, threads: int, rank_env: dict[str, str]) -> dict:
+def _payload(kind: str, ctx: StageContext, threads: int, world: int = 1) -> dict:
     return {
-        "rank_env": rank_env, "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
+        "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
         "settings": ctx.settings.model_dump(mode="json", by_alias=True),
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
-        "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(),
+        "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(), "world": world,
     }
 
 
@@ -106,117 +106,144 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="alignflow-parent-watch", daemon=True).start()
 
 
+def _run_stage(payload: dict, out, rank: int) -> tuple:
+    """Rebuild the context, run the runner; rank 0 sends its metrics as they come. Returns the result's parts."""
+    from alignflow.flows.cli import configure_logging
+
+    configure_logging()  # the parent's progress lines, in the same format
+    if rank:
+        import logging
+
+        logging.getLogger("alignflow").setLevel(logging.WARNING)  # rank 0 speaks for the stage
+    import torch
+
+    from alignflow.core.plugins import get_plugins
+    from alignflow.core.settings import settings_model
+    from alignflow.core.spec import StageSpec
+    from alignflow.flows.stages.registry import RUNNERS
+
+    torch.set_num_threads(payload["threads"])
+    plugins = get_plugins()
+    for path, name, dist, version in payload["plugins"]:
+        plugins.add(_resolve(path), name, dist, version)
+    ctx = StageContext(
+        name=payload["name"], spec=StageSpec.model_validate(payload["spec"]),
+        settings=settings_model(payload["kind"]).model_validate(payload["settings"]),
+        inputs={k: Path(v) if is_path else v for k, (is_path, v) in payload["inputs"].items()},
+        work_dir=Path(payload["work_dir"]), checkpoint_dir=Path(payload["checkpoint_dir"]),
+        seed=payload["seed"], plugins=plugins,
+        log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
+    )
+    result = RUNNERS[payload["kind"]](ctx)
+    return {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline
+
+
+def _portable(exc: BaseException) -> tuple:
+    """(the exception when it pickles, so the parent raises what the runner raised, else None;
+    its traceback; whether it is a lost connection to the other ranks rather than a cause)."""
+    lost_peers = _lost_peers(exc)
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        exc = None
+    return exc, traceback.format_exc(), lost_peers
+
+
+# What a collective raises when another rank died: gloo's and NCCL's errors are plain RuntimeErrors.
+_PEER_LOSS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted",
+              "remote process exited")
+
+
+def _lost_peers(exc: BaseException) -> bool:
+    """Whether `exc` is a rank losing its connection to the others rather than a failure of its own."""
+    import torch.distributed as dist
+
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_LOSS))
+
+
 def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
-    """The child: rebuild the context, run the runner, report metrics and the result or the error."""
+    """The one-process child: run the stage, report metrics and the result or the error."""
     try:
         _exit_with_parent(payload["parent"])
         if os.environ.pop(OWN_GROUP_MARK, None):  # the parent's one-process group is not ours
             for var in _OWN_GROUP_VARS:
                 os.environ.pop(var, None)
-        os.environ.update(payload["rank_env"])
-        rank = int(payload["rank_env"].get("RANK", 0))
-        from alignflow.flows.cli import configure_logging
-
-        configure_logging()  # the parent's progress lines, in the same format
-        if rank:
-            import logging
-
-            logging.getLogger("alignflow").setLevel(logging.WARNING)  # rank 0 speaks for the stage
-        import torch
-
-        from alignflow.core.plugins import get_plugins
-        from alignflow.core.settings import settings_model
-        from alignflow.core.spec import StageSpec
-        from alignflow.flows.stages.registry import RUNNERS
-
-        torch.set_num_threads(payload["threads"])
-        plugins = get_plugins()
-        for path, name, dist, version in payload["plugins"]:
-            plugins.add(_resolve(path), name, dist, version)
-        ctx = StageContext(
-            name=payload["name"], spec=StageSpec.model_validate(payload["spec"]),
-            settings=settings_model(payload["kind"]).model_validate(payload["settings"]),
-            inputs={k: Path(v) if is_path else v for k, (is_path, v) in payload["inputs"].items()},
-            work_dir=Path(payload["work_dir"]), checkpoint_dir=Path(payload["checkpoint_dir"]),
-            seed=payload["seed"], plugins=plugins,
-            log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
-        )
-        result = RUNNERS[payload["kind"]](ctx)
-        out.put(("result", rank, {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline))
+        out.put(("result", 0, *_run_stage(payload, out, 0)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        try:  # the exception itself when it pickles, so the parent raises what the runner raised
-            pickle.loads(pickle.dumps(exc))
-        except Exception:
-            exc = None
-        out.put(("error", rank, exc, traceback.format_exc()))
+        out.put(("error", 0, *_portable(exc)))
+
+
+def _rank_main(payload: dict, out: multiprocessing.Queue) -> None:
+    """One rank, started by torch's elastic launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT are its)."""
+    rank = int(os.environ["RANK"])
+    out.put(("started", rank, os.getpid()))
+    try:
+        _exit_with_parent(payload["parent"])
+        os.environ.pop(OWN_GROUP_MARK, None)  # inherited from a parent that formed its own group
+        if int(os.environ["WORLD_SIZE"]) != payload["world"]:
+            raise AlignflowError(f"stage {payload['name']!r}: this node expected {payload['world']} ranks in all and "
+                                 f"the rendezvous formed {os.environ['WORLD_SIZE']}: start every node with the "
+                                 "same --nproc")
+        outputs = _run_stage(payload, out, rank)
+        if rank == 0:
+            out.put(("result", rank, *outputs))
+    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+        out.put(("error", rank, *_portable(exc)))
+        out.close()
+        out.join_thread()  # in the pipe before this process dies and its peers fail for want of it
+        raise  # the launcher sees the rank fail and stops the others
 
 
 def _ignore(metrics, step) -> None:
     """Ranks other than 0 log nothing: rank 0's metrics are the stage's."""
 
 
-def _rank_envs(ranks: int) -> list[dict[str, str]]:
-    """Each rank's process-group variables, as torchrun sets them; none for a single process."""
-    if ranks == 1:
-        return [{}]
-    from alignflow.core.engine import free_port
+def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1, nodes=None) -> StageResult | None:
+    """Run `RUNNERS[kind](ctx)` in spawned children, `ranks` of them data-parallel on this node (of
+    `nodes`), each with `threads` torch threads; rank 0's metrics reach `ctx.log_metrics` as they come
+    and its result is returned (None on a node without rank 0)."""
+    if ranks > 1 or (nodes is not None and nodes.many):
+        from alignflow.flows.ranks import run_ranks  # torch's elastic launcher
 
-    shared = {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": str(free_port())}
-    return [{**shared, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(ranks)]
-
-
-def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1) -> StageResult:
-    """Run `RUNNERS[kind](ctx)` in spawned children, `ranks` of them data-parallel, each with `threads`
-    torch threads; rank 0's metrics reach `ctx.log_metrics` as they come and its result is returned."""
+        return run_ranks(kind, ctx, threads, ranks, nodes)
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
-    children = [mp.Process(target=_child_main, args=(_payload(kind, ctx, threads, env), out),
-                           name=f"alignflow-{ctx.name}" + (f"-rank{rank}" if ranks > 1 else ""))
-                for rank, env in enumerate(_rank_envs(ranks))]
-    for child in children:
-        child.start()
+    child = mp.Process(target=_child_main, args=(_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")
+    child.start()
     try:
-        return _collect(ctx, children, out)
+        return _collect(ctx, child, out)
     except BaseException:
-        for child in children:  # a failed rank leaves the others waiting in a collective
-            child.kill()
+        child.kill()
         raise
     finally:
-        for child in children:
-            child.join(timeout=30)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
-def _collect(ctx: StageContext, children: list, out) -> StageResult:
-    """Relay rank 0's metrics until every rank has its result; raise the first error or death."""
-    ranks, finished, result = len(children), set(), None
-
-    def place(rank: int) -> str:
-        return f"the stage's rank {rank} process" if ranks > 1 else "the stage's process"
-
-    while len(finished) < ranks:
+def _collect(ctx: StageContext, child, out) -> StageResult:
+    """Relay the child's metrics until its result; raise its error or its death."""
+    while True:
         try:
             message = out.get(timeout=1.0)
         except queue_mod.Empty:
-            for rank, child in enumerate(children):
-                if rank not in finished and not child.is_alive():
-                    raise ChildFailed(f"stage {ctx.name!r}: {place(rank)} exited with code {child.exitcode} "
-                                      "without a result (killed?)") from None
+            if not child.is_alive():
+                raise ChildFailed(f"stage {ctx.name!r}: the stage's process exited with code {child.exitcode} "
+                                  "without a result (killed?)") from None
             continue
         if message[0] == "metrics":
             ctx.log_metrics(message[1], message[2])
         elif message[0] == "error":
-            _, rank, exc, trace = message
-            if exc is None:
-                raise ChildFailed(f"stage {ctx.name!r} failed in {place(rank)}:\n{trace.rstrip()}")
-            exc.add_note(f"--- in {place(rank)}:\n{trace.rstrip()}")
-            raise exc
+            _, _, exc, trace, _ = message
+            _raise(ctx, exc, trace, "the stage's process")
         else:
-            _, rank, outputs, metrics, headline = message
-            finished.add(rank)
-            if rank == 0:
-                result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
-    return result
+            _, _, outputs, metrics, headline = message
+            return StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+
+
+def _raise(ctx: StageContext, exc: BaseException | None, trace: str, place: str, cause=None):
+    if exc is None:
+        raise ChildFailed(f"stage {ctx.name!r} failed in {place}:\n{trace.rstrip()}") from cause
+    exc.add_note(f"--- in {place}:\n{trace.rstrip()}")
+    raise exc

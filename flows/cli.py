@@ -74,11 +74,40 @@ def _show_plugin(args, matches) -> int:
 
 
 def cmd_validate(args) -> int:
-    """Validate a pipeline spec and print its stage DAG."""
+    """Validate a pipeline spec, print its stage DAG and each training stage's estimated memory per GPU."""
     from alignflow.flows.preflight import check_pipeline
 
     spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
     console.print(dag_tree(spec, args.pipeline))
+    return show_memory(spec, args)
+
+
+def show_memory(spec, args) -> int:
+    """Each training stage's estimated memory per GPU (core/memory.py); 1 when one exceeds --gpu-memory."""
+    from alignflow.core.memory import gib, parse_size, pipeline_memory
+    from alignflow.core.plugins import get_plugins
+    from alignflow.flows.execute import requested_processes
+
+    limit = parse_size(args.gpu_memory) if args.gpu_memory else None
+    gpus = args.nproc or requested_processes()
+    estimates = pipeline_memory(spec, get_plugins(), Path.cwd(), gpus, args.nnodes)
+    if not estimates:
+        return 0
+    console.print(f"[bold]memory per GPU[/bold] ({gpus} process{'es' if gpus > 1 else ''} per node x {args.nnodes} "
+                  f"node{'s' if args.nnodes > 1 else ''}; --nproc, --nnodes):", highlight=False)
+    over = []
+    for m in estimates:
+        console.print(f"  {escape(m.line())}", highlight=False, soft_wrap=True)
+        if limit is None or m.why:
+            continue
+        need = m.gpu + int((m.sampler_share or 0.0) * limit)
+        if need > limit:
+            over.append(f"stage {m.stage!r}: needs {gib(need)} per GPU"
+                        f"{' with its vLLM share' if m.sampler_share else ''}, more than --gpu-memory "
+                        f"{gib(limit)} (before activations): offload (offload_optimizer/offload_params: cpu), a "
+                        f"higher zero_stage or more GPUs")
+    if over:
+        raise AlignflowError("\n".join(over))
     return 0
 
 
@@ -97,7 +126,9 @@ def dag_tree(spec, source: str) -> Tree:
             parents[(of.loop, of.round)] = parent
         plugins = [p.name for p in [stage.algorithm, stage.sampler] if p is not None]
         plugins += [r.name for r in stage.rewards] + [s.name for s in stage.selectors]
-        node = parent.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}")
+        pool = spec.pool_of(name)  # runs on a worker of that Prefect work pool (flows/remote.py)
+        node = parent.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}"
+                          + (f" [magenta]on pool {pool}[/magenta]" if pool else ""))
         for field, value in stage.inputs.items():
             node.add(f"{field} <- {value}")
     return tree
@@ -129,23 +160,51 @@ def _process_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _nodes(args):
+    """The nodes of `--nnodes/--node-rank/--rdzv-endpoint` (else their variables), checked and exported."""
+    from alignflow.flows.nodes import NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV, parse_nodes
+
+    given = [(args.nnodes, "--nnodes", NNODES_ENV), (args.node_rank, "--node-rank", NODE_RANK_ENV),
+             (args.rdzv_endpoint, "--rdzv-endpoint", RDZV_ENDPOINT_ENV)]
+    texts = [flag if flag is not None else os.environ.get(env) for flag, _, env in given]
+    from_env = [flag is None and os.environ.get(env) is not None for flag, _, env in given]
+    nodes = parse_nodes(*texts, names=tuple(env if e else name for (_, name, env), e in zip(given, from_env)))
+    if nodes.many and args.artifacts is not None and "://" in str(args.artifacts):
+        raise AlignflowError(f"--artifacts {args.artifacts}: the nodes of a run share the artifacts folder "
+                             "(checkpoints and outputs of every rank): give a path on a shared filesystem")
+    for (_, _, env), text in zip(given, texts):
+        if text is not None:
+            os.environ[env] = text
+    return nodes
+
+
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
     from alignflow.flows.preflight import check_pipeline
 
+    nodes = _nodes(args)
     # before Prefect or a model starts
     check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True, early=_show_early)
     from alignflow.flows import shutdown
 
     with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
         from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
-        from alignflow.flows.pipeline import run_pipeline
+        from alignflow.flows.nodes import hosting
 
         if args.parallel is not None:
             os.environ[PARALLEL_ENV] = str(args.parallel)
         if args.nproc is not None:
             os.environ[NPROC_ENV] = str(args.nproc)
-        report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
+        if nodes.rank > 0:  # node 0 runs the pipeline; this node lends it its ranks (flows/follow.py)
+            from alignflow.flows.follow import follow_pipeline
+
+            statuses = follow_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts, nodes)
+            console.print(f"node {nodes.rank} of {nodes.count}: " + ", ".join(f"{k} {v}" for k, v in statuses.items()))
+            return 0
+        from alignflow.flows.pipeline import run_pipeline
+
+        with hosting(nodes):
+            report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
     from alignflow.flows.report import write_curves, write_metrics
 
     report.render(err_console if args.json else console)
@@ -187,9 +246,11 @@ def cmd_deploy(args) -> int:
     """Create a scheduled Prefect deployment of a pipeline on a process work pool."""
     from alignflow.flows.deploy import deploy
 
-    name = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name)
+    name, stage_pools = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name)
     console.print(f"deployment {name!r} on work pool {args.pool!r}, schedule {args.cron!r}")
     console.print(f"start a worker:   prefect worker start --pool {args.pool}")
+    for pool in stage_pools:  # where the stages that name a pool run
+        console.print(f"  and one for the stages on pool {pool!r}: prefect worker start --pool {pool}")
     console.print(f"run it now:       prefect deployment run '{name}'")
     console.print("watch the runs:   prefect flow-run ls  (or the UI: prefect server start)")
     return 0
@@ -209,6 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help=cmd_validate.__doc__)
     p.add_argument("pipeline", help="path to a pipeline YAML")
+    p.add_argument("--nproc", type=_process_count, metavar="N", help="processes (GPUs) per node the memory "
+                   "estimate assumes, as `run --nproc` (default: $ALIGNFLOW_NPROC, else 1)")
+    p.add_argument("--nnodes", type=_process_count, metavar="N", default=1, help="nodes the memory estimate "
+                   "assumes (default 1)")
+    p.add_argument("--gpu-memory", metavar="SIZE", help="fail when a training stage's estimate exceeds this "
+                   "per GPU, e.g. 80GiB (a colocated vLLM sampler's share counted)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help=cmd_run.__doc__)
@@ -216,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                    help="override a field of the spec, e.g. sft.settings.lr=1e-3 (repeatable)")
     p.add_argument("--json", action="store_true", help="end stdout with one JSON line (table on stderr)")
-    p.add_argument("--artifacts", type=Path, help="artifacts root (default: ./artifacts)")
+    p.add_argument("--artifacts", help="artifacts root: a folder, or a URL shared by machines such as "
+                   "s3://bucket/prefix, gs://..., file:///shared/path (default: ./artifacts)")
     p.add_argument("--metrics", type=Path, help="write final metrics JSON here (for dvc metrics)")
     p.add_argument("--plots", type=Path, help="write step curves as CSV under this folder (for dvc plots)")
     p.add_argument("--parallel", type=_stage_count, metavar="N", help="training stages that may run at once, each on "
@@ -224,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=_process_count, metavar="N", help="data-parallel processes for each stage "
                    "but select: one per GPU, as torchrun's --nproc_per_node "
                    "(default: $ALIGNFLOW_NPROC, else 1)")
+    p.add_argument("--nnodes", metavar="N", help="machines that run each data-parallel stage's ranks together, "
+                   "each with --nproc of them; start the same command on every one (default: $ALIGNFLOW_NNODES, "
+                   "else 1)")
+    p.add_argument("--node-rank", metavar="K", help="this machine's place, 0 to N-1; node 0 runs the pipeline, "
+                   "the others lend it their ranks (default: $ALIGNFLOW_NODE_RANK, else 0)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="node 0's address and a free port on it, where "
+                   "the nodes meet (c10d rendezvous; default: $ALIGNFLOW_RDZV_ENDPOINT)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("data", help=cmd_data.__doc__)

@@ -1,4 +1,5 @@
-"""`alignflow deploy`: a scheduled Prefect deployment of the pipeline flow on a process work pool."""
+"""`alignflow deploy`: a scheduled Prefect deployment of the pipeline flow on a process work pool, and
+of the stage flow on each work pool its stages name."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ def ensure_process_pool(name: str) -> None:
             pass
 
 
-def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> str:
-    """Deploy `pipeline_flow` for this spec on a cron schedule; returns the deployment's name."""
+def stage_pools(spec) -> list[str]:
+    """The work pools the spec's stages name (`pool`, or `pools` by kind), sorted."""
+    return sorted({pool for name in spec.stages if (pool := spec.pool_of(name)) is not None})
+
+
+def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> tuple[str, list[str]]:
+    """Deploy `pipeline_flow` for this spec on a cron schedule, and `stage_flow` on each pool its stages
+    name (flows/remote.py), so their workers can start before the first run; returns the deployment's
+    name and those pools."""
     from prefect.deployments.runner import EntrypointType
 
     from alignflow.flows.pipeline import load_pipeline, pipeline_flow
@@ -34,4 +42,9 @@ def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None
         parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve())},
         job_variables={"working_dir": str(project.resolve())},
     )
-    return f"{pipeline_flow.name}/{name}"
+    from alignflow.flows.remote import deploy_stage_flow
+
+    pools = stage_pools(spec)
+    for stage_pool in pools:
+        deploy_stage_flow(stage_pool)
+    return f"{pipeline_flow.name}/{name}", pools

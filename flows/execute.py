@@ -20,6 +20,7 @@ from alignflow.core.settings import settings_model
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.plan import StagePlan
 from alignflow.flows.child import can_run_in_child, run_in_child
+from alignflow.flows.nodes import requested_nodes
 from alignflow.flows.stages import OUTPUT_OF_INPUT, StageContext, StageResult
 from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import StageRun, Tracker
@@ -88,8 +89,9 @@ def requested_processes() -> int:
 
 
 def data_parallel_ranks(kind: str) -> int:
-    """Processes a stage of `kind` trains on: `requested_processes()` for the data-parallel kinds, else 1."""
-    ranks = requested_processes()
+    """Processes a stage of `kind` trains on, on all nodes together: `requested_processes()` on each of
+    `--nnodes` for the data-parallel kinds, else 1."""
+    ranks = requested_processes() * requested_nodes().count
     if kind not in DATA_PARALLEL_KINDS:
         if ranks > 1:
             log.info("a %s stage runs on one process: %s=%d applies to %s stages", kind, NPROC_ENV, ranks,
@@ -148,8 +150,10 @@ def call_runner(kind: str, ctx: StageContext, started: list[float], order: int =
                                 "cannot rebuild plugins defined in __main__ or inside a function, nor run "
                                 "under another launcher's process group")
             started.append(time.time())
-            threads = _share(_share(_user_threads or torch.get_num_threads(), n), ranks)
-            return run_in_child(kind, ctx, threads=threads, ranks=ranks)
+            nodes = requested_nodes()
+            local = ranks // nodes.count
+            threads = _share(_share(_user_threads or torch.get_num_threads(), n), local)
+            return run_in_child(kind, ctx, threads=threads, ranks=local, nodes=nodes)
         if _exclusive.acquire(blocking=False):
             return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):
@@ -215,6 +219,8 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     with store.lock(plan.name, plan.digest):
         manifest = store.manifest(plan.name, plan.digest)
         if manifest is None:
+            for stage in sorted(set(plan.upstream.values())):  # a shared store's inputs: downloaded once
+                store.fetch(stage, upstream[stage].digest)
             manifest = _run(plan, inputs, store, run, plugins)
             # the runner's own time, not a wait for this process while a sibling stage held it
             status, seconds = manifest["status"], manifest["timings"]["seconds"]

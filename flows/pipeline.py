@@ -20,7 +20,7 @@ from prefect.utilities.annotations import quote
 
 from alignflow.core.spec import PipelineSpec, parse_spec
 from alignflow.flows import shutdown
-from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
 from alignflow.flows.execute import StageOutcome, execute_stage, requested_processes
 from alignflow.flows.overrides import apply_overrides
@@ -46,7 +46,7 @@ class Session:
     started: float = field(default_factory=time.perf_counter)
 
 
-def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | None) -> Session:
+def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None) -> Session:
     """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
     from alignflow.core.plugins import get_plugins
     from alignflow.flows.data import ensure_data
@@ -56,7 +56,7 @@ def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts:
     spec = parse_spec(raw, str(pipeline), plugins)
     ensure_data(spec, project)
     plans = plan_pipeline(spec, project, plugins)
-    store = ArtifactStore(artifacts if artifacts is not None else project / "artifacts")
+    store = open_store(artifacts if artifacts is not None else project / "artifacts")  # a folder or a URL
     return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
                    Tracker(project, spec.name), plugins)
 
@@ -65,7 +65,13 @@ def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts:
 def stage_task(name: str, session: Session, upstream: dict[str, PrefectFuture]) -> StageOutcome:
     """Run one stage, or reuse its finished artifact; `upstream` futures are all completed."""
     outcomes = {stage: future.result() for stage, future in upstream.items()}
-    outcome = execute_stage(session.plans[name], outcomes, session.store, session.tracker, session.plugins)
+    plan, pool = session.plans[name], session.spec.pool_of(name)
+    if pool is not None and session.store.manifest(name, plan.digest) is None:
+        from alignflow.flows.remote import run_on_pool  # a worker of `pool` runs it (flows/remote.py)
+
+        outcome = run_on_pool(pool, session, plan)
+    else:
+        outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins)
     if outcome.status in STATE_NAMES:
         return Completed(name=STATE_NAMES[outcome.status], data=outcome)
     return outcome
@@ -116,7 +122,7 @@ def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: st
     """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants."""
     shutdown.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
     session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
-                           Path(artifacts).resolve() if artifacts else None)
+                           artifacts if is_url(artifacts) else Path(artifacts).resolve() if artifacts else None)
     mlflow_run_id = start_tracking(session)
     futures = submit_stages(session)
     wait(list(futures.values()))
@@ -142,7 +148,7 @@ def register_final_model(session: Session, report: PipelineReport) -> None:
         if "model" not in manifest.get("outputs", {}):
             continue
         if line.status in ("ran", "resumed"):
-            model = session.store.outputs(manifest, line.name)["model"]
+            model = session.store.published(manifest, line.name)["model"]  # a URL on a shared store
             line.model_version = session.tracker.register_model(session.spec.name, model,
                                                                 manifest["mlflow_run_id"])
         return
@@ -156,7 +162,7 @@ def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path("."
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                 artifacts: Path | None = None) -> PipelineReport:
+                 artifacts: Path | str | None = None) -> PipelineReport:
     """Run `pipeline_flow` and return its report, also when stages failed."""
     load_pipeline(pipeline, list(overrides), project)
     state = pipeline_flow(str(pipeline), list(overrides), str(project),

@@ -103,8 +103,8 @@ class Tracker:
         self._log(run.info.run_id, params=flatten(params))
         return StageRun(self, run.info.run_id)
 
-    def register_model(self, name: str, folder: Path, run_id: str) -> str:
-        """A new version of the registered model `name`, pointing at the (immutable) artifact folder."""
+    def register_model(self, name: str, folder: Path | str, run_id: str) -> str:
+        """A new version of the registered model `name`, pointing at the (immutable) artifact folder or URL."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -112,7 +112,8 @@ class Tracker:
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        version = self.client.create_model_version(name, source=folder.resolve().as_uri(), run_id=run_id)
+        source = folder if isinstance(folder, str) else folder.resolve().as_uri()
+        version = self.client.create_model_version(name, source=source, run_id=run_id)
         return version.version
 
     def _log(self, run_id: str, params: dict | None = None, metrics: dict | None = None,

@@ -130,7 +130,9 @@ class HFSampler(Sampler):
 
 
 def cache_argument(model) -> str:
-    """The forward's name for the KV cache: `cache` in newer transformers, `past_key_values` before."""
+    """The forward's name for the KV cache: `cache` in newer transformers, `past_key_values` before (a peft
+    model's forward passes its keywords on to the model it wraps: that one's name)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 

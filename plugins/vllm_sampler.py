@@ -20,6 +20,7 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.errors import AlignflowError
+from alignflow.core.models import has_adapters, is_adapter_dir, load_model, merged_state_dict
 from alignflow.core.sampling import Generation
 from alignflow.core.settings import GenerationSettings
 
@@ -54,6 +55,12 @@ class VLLMSampler(Sampler):
             from vllm import LLM
         except ImportError as exc:
             raise AlignflowError(f"{INSTALL} ({exc})") from None
+        if isinstance(model, (str, Path)) and is_adapter_dir(model):
+            model = load_model(model)  # a LoRA stage's unmerged output: its base with the adapters merged
+        # A LoRA policy reaches the engine as merged weights (W + (alpha / r) B A), by the file sync. vLLM's own LoRA
+        # serving (LLM(enable_lora=True), a LoRARequest(name, id, folder) per generate call) would move only the
+        # adapters, a new id per step; not built: it could not be tested beside this sampler's CPU build here.
+        self.adapters = not isinstance(model, (str, Path)) and has_adapters(model)
         self.tokenizer = tokenizer
         self.stop_ids = sorted({tokenizer.eos_token_id})
         self.work = Path(tempfile.mkdtemp(prefix="alignflow-vllm-"))
@@ -97,12 +104,18 @@ class VLLMSampler(Sampler):
         from safetensors.torch import save_file
 
         with _gathered(model):  # a ZeRO-3 module's weights are shards until gathered
-            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+            weights = merged_state_dict(model) if has_adapters(model) else model.state_dict()
+            state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
         tmp = folder / "model.safetensors.tmp"
         save_file(state, str(tmp))
         tmp.replace(folder / "model.safetensors")  # the engine never reads a half-written file
 
     def _sync_kind(self) -> str:
+        if getattr(self, "adapters", False):  # IPC sends the module's own tensors: a LoRA policy's are not merged
+            if self.config.weight_sync == "ipc":
+                raise AlignflowError("sampler vllm, config.weight_sync: ipc sends the policy module's own tensors, "
+                                     "and a LoRA policy's are not its merged weights: use `file` or `auto`")
+            return "file"
         if self.config.weight_sync != "auto":
             return self.config.weight_sync
         return "ipc" if self.cuda else "file"

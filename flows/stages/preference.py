@@ -18,14 +18,14 @@ import torch.distributed as dist
 
 from alignflow.core.data import IGNORE_INDEX, collate, truncate
 from alignflow.core.engine import Engine, frozen
-from alignflow.core.models import token_logprobs
+from alignflow.core.models import AdaptersOff, token_logprobs
 from alignflow.core.preference import NllScope, SequenceLogps, TokenLogps, build_batch, mismatched_pairs
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
                                             split_rows, train_loop)
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
-                                             save_pretrained, total_steps)
+from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
+                                             model_source, plugin, save_pretrained, total_steps)
 
 # Scorer set name -> the prefix of its columns in a collated micro-batch.
 PREFIX = {"chosen": "chosen_", "rejected": "rejected_", "completion": "", "kl": "kl_"}
@@ -190,9 +190,10 @@ def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | No
 
 
 def load_reference(ctx: StageContext, src: str):
-    """The frozen reference's weights: the `reference` input, else the initial policy."""
+    """The frozen reference's weights: the `reference` input, else the initial policy; None for a LoRA policy
+    without a `reference` input, whose base (its adapters switched off) is that initial policy."""
     if "reference" not in ctx.inputs:
-        return load_model_for(ctx, src)
+        return None if lora_rank(ctx.settings) else load_model_for(ctx, src)
     with model_source(ctx, "reference") as ref_src:
         return load_model_for(ctx, ref_src)
 
@@ -204,7 +205,7 @@ def run_preference(ctx: StageContext) -> StageResult:
     schema = "unpaired" if algo.requires_labels else "pairwise"
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src)
+        model = load_policy(ctx, src)
         reference = load_reference(ctx, src) if algo.requires_reference else None
     eval_prefs = eval_rows(ctx, schema)
     train, held_out = split_rows(ctx, tokenizer, schema, eval_prefs)
@@ -214,8 +215,8 @@ def run_preference(ctx: StageContext) -> StageResult:
     torch.manual_seed(ctx.seed)
     engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
     caches = {}
-    if reference is not None:
-        reference = frozen(reference, s)
+    if algo.requires_reference:
+        reference = frozen(reference, s) if reference is not None else AdaptersOff(engine.module)
         splits = {"train": train, "eval": held_out}
         caches = cached_reference(ctx, reference, splits, reference_sets(algo), pad_id, engine.device,
                                   algo.needs_token_logprobs)

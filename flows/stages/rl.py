@@ -22,7 +22,7 @@ import torch
 from alignflow.core.data import load_rows
 from alignflow.core.engine import Engine, frozen
 from alignflow.core.errors import SpecError
-from alignflow.core.models import token_logprobs
+from alignflow.core.models import AdaptersOff, token_logprobs
 from alignflow.core.progress import progress
 from alignflow.core.rl import cost_reward_problem
 from alignflow.core.rewards import RewardSet
@@ -34,8 +34,8 @@ from alignflow.flows.stages.rl_replay import ReplayBuffer, replay_metrics, resto
 from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, round_share, to_batch
 from alignflow.flows.stages.rl_update import critic_values, prepare, rescore_guided, rollout_stats, update
 from alignflow.flows.stages.scoring import CHUNK, prompt_ids, reward_set
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
-                                             save_pretrained)
+from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
+                                             model_source, plugin, save_pretrained)
 
 EXTRA = "rl_extra_parameters"  # algorithm parameters (λ-GRPO's λ) ride on the policy module
 
@@ -69,10 +69,11 @@ def engine_settings(s):
 
 
 def load_reference(ctx: StageContext, policy_source: str):
-    """The frozen reference: the `reference` input, else the initial policy."""
+    """The frozen reference: the `reference` input, else the initial policy; None for a LoRA policy without a
+    `reference` input, whose base (its adapters switched off, `AdaptersOff`) is that initial policy."""
     settings = engine_settings(ctx.settings)  # a ZeRO-3 reference is a DeepSpeed engine too
     if "reference" not in ctx.inputs:
-        return frozen(load_model_for(ctx, policy_source), settings)
+        return None if lora_rank(ctx.settings) else frozen(load_model_for(ctx, policy_source), settings)
     with model_source(ctx, "reference") as src:
         return frozen(load_model_for(ctx, src), settings)
 
@@ -140,7 +141,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src)
+        model = load_policy(ctx, src)
         reference = load_reference(ctx, src) if algo.requires_reference else None
         critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
     teacher = load_teacher(ctx, tokenizer) if algo.requires_teacher else None
@@ -150,6 +151,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
                             "parameters in the loss, which ZeRO-3 would partition: use zero_stage 0, 1 or 2")
         model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
+    if algo.requires_reference and reference is None:
+        reference = AdaptersOff(engine.module)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.load(engine.module, tokenizer)
     if s.overlap_rollouts:

@@ -11,7 +11,7 @@ from alignflow.core.preference import TokenBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
+from alignflow.flows.stages.training import (load_policy, load_tokenizer_for, model_source, plugin,
                                              save_pretrained, total_steps)
 
 
@@ -33,7 +33,7 @@ def run_sft(ctx: StageContext) -> StageResult:
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src)
+        model = load_policy(ctx, src)
     train, held_out = split_rows(ctx, tokenizer, "sft")
 
     steps = total_steps(len(train), s)

@@ -11,7 +11,8 @@ from typing import Iterator
 import torch
 
 from alignflow.core.errors import SpecError
-from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
+from alignflow.core.models import (ValueModel, build_tiny, has_adapters, load_model, load_tokenizer,
+                                   load_value_model, with_lora)
 from alignflow.core.spec import PluginRef, validate_config
 from alignflow.flows.stages import StageContext
 
@@ -48,6 +49,19 @@ def load_model_for(ctx: StageContext, src, *, value_head: bool = False, dtype: s
     return ValueModel(model) if value_head else model
 
 
+def load_policy(ctx: StageContext, src):
+    """The causal LM a stage trains: with `settings.lora.r` > 0, wrapped in LoRA adapters, the only weights that
+    train (their base recorded as the stage's `model` input, for loading the saved adapters back)."""
+    model = load_model_for(ctx, src)
+    return with_lora(model, ctx.settings.lora, ctx.inputs["model"], ctx.seed) if lora_rank(ctx.settings) else model
+
+
+def lora_rank(settings) -> int:
+    """`settings.lora.r`: 0 when LoRA is off or the settings have no `lora` block."""
+    lora = getattr(settings, "lora", None)
+    return lora.r if lora is not None else 0
+
+
 def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):
     """Instantiate a registered plugin class with its validated `config:` block."""
     cls = registry.get(ref.name)
@@ -80,9 +94,23 @@ def micro_slices(rows: list[int], micro: int) -> list[list[int]]:
 
 
 def save_pretrained(engine, tokenizer, out: Path) -> Path:
-    """The trained weights as an ordinary transformers checkpoint (gathered under ZeRO-3)."""
+    """The trained weights as an ordinary transformers checkpoint (gathered under ZeRO-3).
+
+    A LoRA policy saves its adapters (peft's adapter_config.json + adapter_model.safetensors): as `out` itself,
+    which loads as the base plus them (core.models.load_model), or with `lora.merge` in `out/adapter`, `out`
+    then holding the merged model, built by loading those adapters back onto their base as a later stage would.
+    """
     state = engine.full_state_dict()
     if engine.rank == 0:
-        engine.module.save_pretrained(out, state_dict=state)
-        tokenizer.save_pretrained(out)
+        adapters = has_adapters(engine.module)
+        merge = adapters and engine.settings.lora.merge
+        first = out / "adapter" if merge else out
+        engine.module.save_pretrained(first, state_dict=state)  # a peft model keeps only the adapter weights
+        tokenizer.save_pretrained(first)
+        if merge:
+            o = engine.settings.model
+            merged = load_model(first, dtype=engine.settings.dtype, attn_implementation=o.attn_implementation,
+                                trust_remote_code=o.trust_remote_code)
+            merged.save_pretrained(out)
+            tokenizer.save_pretrained(out)
     return out

@@ -1,0 +1,151 @@
+"""Stages on Prefect work pools: a stage with a `pool` runs as a flow run of `stage_flow` on that pool.
+
+Each pool gets a deployment of `stage_flow` (`alignflow-stage/POOL`, created or updated when a stage
+is sent there). The pipeline's stage task starts a flow run of it with `run_deployment`, waits for it
+and reads the finished manifest from the artifact store, which both machines must see (on one machine:
+the same folder). The worker's flow run rebuilds the session from the pipeline's resolved spec text
+and runs `execute_stage` for that one stage: the manifest cache, the stage lock, checkpoints and
+resume, and the MLflow child run are the same code as in the pipeline's own process. A worker killed
+mid-stage leaves the stage's checkpoints; the next run of the pipeline resumes from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from prefect import flow
+from prefect.states import Completed, State
+
+from alignflow.flows.execute import StageFailed, StageOutcome, execute_stage, stage_count
+from alignflow.flows.pipeline import STATE_NAMES, Session, open_session
+from alignflow.flows.plan import StagePlan
+
+log = logging.getLogger(__name__)
+
+STAGE_FLOW = "alignflow-stage"
+# How long a stage's flow run may wait for a worker of its pool to take it before the stage fails.
+POOL_TIMEOUT_ENV = "ALIGNFLOW_POOL_TIMEOUT"
+DEFAULT_POOL_TIMEOUT_S = 600
+POLL_S = 1.0
+NODE_VARS = ("ALIGNFLOW_NNODES", "ALIGNFLOW_NODE_RANK", "ALIGNFLOW_RDZV_ENDPOINT")  # `run --nnodes` etc.
+STATUS_OF_STATE = {"Completed": "ran", **{v: k for k, v in STATE_NAMES.items()}}
+_deploy_lock = threading.Lock()
+
+
+def pool_timeout() -> int:
+    """Seconds a stage waits for a worker of its pool: $ALIGNFLOW_POOL_TIMEOUT, else 600."""
+    value = os.environ.get(POOL_TIMEOUT_ENV)
+    return DEFAULT_POOL_TIMEOUT_S if value is None else stage_count(value, POOL_TIMEOUT_ENV, "seconds")
+
+
+@flow(name=STAGE_FLOW, persist_result=False)
+def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, artifacts: str,
+               mlflow_parent: str | None = None) -> State:
+    """Run one stage of a pipeline on this worker; `spec` is the pipeline's resolved spec text."""
+    with tempfile.TemporaryDirectory(prefix="alignflow-stage-") as tmp:
+        path = Path(tmp) / Path(source).name  # errors name the pipeline's file, not a temp name
+        path.write_text(spec)
+        session = open_session(path, [], Path(project), artifacts)
+    plan = session.plans[stage]
+    if plan.digest != digest:
+        raise StageFailed(f"stage {stage!r}: this worker computes digest {plan.digest[:12]}, the pipeline "
+                          f"{digest[:12]}: its alignflow, plugins or input files differ from the pipeline "
+                          "machine's (install the same versions; keep the project on a shared path)")
+    upstream = {name: finished(session, name, stage) for name in sorted(set(plan.upstream.values()))}
+    session.tracker.parent_id = mlflow_parent  # the stage's MLflow run nests under the pipeline's
+    outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins)
+    return Completed(name=STATE_NAMES.get(outcome.status, "Completed"),
+                     message=f"stage {stage!r} {outcome.status} in {outcome.seconds:.1f} s")
+
+
+def finished(session: Session, name: str, reader: str | None = None, status: str = "cached",
+             seconds: float = 0.0) -> StageOutcome:
+    """Stage `name`'s outcome from its manifest in the artifact store; `reader`: the stage that needs it."""
+    plan = session.plans[name]
+    manifest = session.store.manifest(name, plan.digest)
+    if manifest is None:
+        who = f"stage {reader!r}: its input stage {name!r}" if reader else f"stage {name!r}"
+        raise StageFailed(f"{who} has no finished artifact {plan.digest[:12]} in {session.store.location}: "
+                          "does this machine see the pipeline's artifact store?")
+    return StageOutcome(name, plan.kind, status, seconds, plan.digest, session.store.folder(name, plan.digest),
+                        session.store.outputs(manifest, name), manifest["metrics"], manifest.get("headline"),
+                        manifest.get("mlflow_run_id"))
+
+
+def deploy_stage_flow(pool: str) -> str:
+    """Create the process pool unless it exists and create or update `stage_flow`'s deployment on it."""
+    from prefect.deployments.runner import EntrypointType
+
+    from alignflow.flows.deploy import ensure_process_pool
+
+    with _deploy_lock:
+        ensure_process_pool(pool)
+        # A module entrypoint: the worker imports the installed alignflow, so no code storage is needed.
+        stage_flow.to_deployment(pool, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
+                                 description=f"alignflow stages sent to work pool {pool!r}").apply()
+    return f"{STAGE_FLOW}/{pool}"
+
+
+def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
+    """Run `plan` as a flow run on `pool`, wait for it, and return its outcome read from its manifest."""
+    from prefect import get_client
+    from prefect.deployments import run_deployment
+    from prefect.runtime import flow_run
+
+    deployment = deploy_stage_flow(pool)
+    # What the worker needs to plan the same digest and log where the pipeline logs: the run's
+    # ALIGNFLOW_* settings (--nproc and the like) and the MLflow store. Not where this run's nodes meet:
+    # a stage on a pool runs its ranks on the worker's machine.
+    env = {k: v for k, v in os.environ.items() if k.startswith("ALIGNFLOW_") and k not in NODE_VARS}
+    env["MLFLOW_TRACKING_URI"] = session.tracker.uri
+    run = run_deployment(
+        deployment, timeout=0, as_subflow=False, flow_run_name=f"{session.spec.name}.{plan.name}",
+        parameters={"spec": session.spec_text, "source": flow_run.parameters.get("pipeline", "pipeline.yaml"),
+                    "stage": plan.name, "digest": plan.digest, "project": str(session.project),
+                    "artifacts": session.store.location, "mlflow_parent": session.tracker.parent_id},
+        tags=[f"alignflow.pipeline:{session.spec.name}", f"alignflow.pipeline_run:{flow_run.get_id()}"],
+        job_variables={"env": env},
+    )
+    log.info("stage %r: flow run %s (%s) on work pool %r", plan.name, run.name, run.id, pool)
+    with get_client(sync_client=True) as client:
+        run = wait_for_run(client, run, pool, plan.name, pool_timeout())
+    state = run.state
+    if not state.is_completed():
+        failed = StageFailed(f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id}) "
+                             f"{state.name}: {state.message or 'no message'}")
+        failed.seconds = run.total_run_time.total_seconds()
+        raise failed
+    status = STATUS_OF_STATE.get(state.name, "ran")
+    outcome = finished(session, plan.name, status=status, seconds=run.total_run_time.total_seconds())
+    if status != "cached":  # the runner's own time, as for a stage run here
+        manifest = session.store.manifest(plan.name, plan.digest)
+        outcome.seconds = manifest["timings"]["seconds"]
+    return outcome
+
+
+def wait_for_run(client, run, pool: str, stage: str, timeout: float):
+    """The flow run once final. A run that no worker takes within `timeout` seconds is cancelled and
+    the stage fails naming the pool; once a worker has it, it may run as long as it needs."""
+    from prefect.states import Cancelled
+
+    started = time.monotonic()
+    while True:
+        run = client.read_flow_run(run.id)
+        if run.state is not None and run.state.is_final():
+            return run
+        if run.state is not None and run.state.is_scheduled() and time.monotonic() - started > timeout:
+            answer = client.set_flow_run_state(run.id, Cancelled(message=f"no worker on pool {pool!r}"))
+            if answer.status.value == "ACCEPT":  # else a worker took it meanwhile: keep waiting
+                online = [w.name for w in client.read_workers_for_work_pool(pool)
+                          if getattr(w.status, "value", w.status) == "ONLINE"]
+                raise StageFailed(
+                    f"stage {stage!r}: no worker of work pool {pool!r} took its flow run {run.name} within "
+                    f"{timeout:g} s ({POOL_TIMEOUT_ENV}); the pool has "
+                    f"{len(online)} online worker{'s' if len(online) != 1 else ''}. Start one where the "
+                    f"stage should run: prefect worker start --pool {pool}")
+        time.sleep(POLL_S)

@@ -1,0 +1,232 @@
+"""Stages on Prefect work pools, end to end on a real Prefect server: the select stage runs in the pipeline's
+process, the sft stage on work pool `train`, taken by real `prefect worker start --pool train` processes.
+A worker killed mid-stage leaves checkpoints; its crashed flow run fails the stage by name; the next run,
+on a new worker, resumes the stage to the weights of an uninterrupted run in the pipeline's own process;
+a rerun is all cached; a pool without a worker fails its stage after the timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prefect import get_client
+from prefect.client.schemas.filters import DeploymentFilter
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Crashed
+from safetensors.torch import load_file
+
+from alignflow.core.task import write_datasets
+from alignflow.flows.pipeline import run_pipeline
+from alignflow.flows.shutdown import descendants, stop_processes
+from alignflow.flows.tracking import tracking_uri
+
+# sft saves every 2 of its 8 steps, so a kill after its first checkpoint lands mid-stage.
+PIPELINE = """
+name: pools
+seed: 0
+pools: {sft: train}
+stages:
+  data:
+    kind: select
+    inputs: {dataset: data/sft.jsonl}
+    selectors: [{name: subsample, config: {n: 64}}]
+  sft:
+    kind: sft
+    inputs: {model: "builtin:tiny", dataset: "stage:data"}
+    algorithm: sft
+    settings: {lr: 2.0e-3, max_steps: 8, batch_size: 8, micro_batch_size: 8, max_length: 96,
+               save_every: 2, log_every: 2}
+"""
+
+
+def statuses(report) -> dict[str, str]:
+    return {s.name: s.status for s in report.stages}
+
+
+def stage(report, name: str):
+    return next(s for s in report.stages if s.name == name)
+
+
+def weights(report, name: str) -> dict[str, torch.Tensor]:
+    return load_file(Path(stage(report, name).artifact) / "out" / "model" / "model.safetensors")
+
+
+def env() -> dict[str, str]:
+    """The harness's server, one thread, and not this process's torch.distributed rank."""
+    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out.update(PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1",
+               PREFECT_WORKER_QUERY_SECONDS="1")  # a worker polls each second, not each 10
+    return out
+
+
+@contextlib.contextmanager
+def worker(pool: str, log: Path):
+    """`prefect worker start --pool POOL` in its own session; stopped with its flow runs at the end."""
+    with log.open("a") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool",
+                                 pool, "--type", "process"], cwd="/", env=env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        stop_processes(descendants(proc.pid) + [proc.pid], grace=2.0)
+        proc.wait()
+
+
+def stage_runs(pool: str) -> list:
+    """The flow runs of the stage deployment on `pool`, oldest first."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name={"any_": [pool]}))
+    return sorted(runs, key=lambda r: r.created)
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pools")
+    write_datasets(root / "data")
+    (root / "pipeline.yaml").write_text(PIPELINE)
+    (root / "here.yaml").write_text(PIPELINE.replace("pools: {sft: train}\n", ""))  # every stage in-process
+    return root
+
+
+def kill_at_first_checkpoint(worker_proc, artifacts: Path, killed: dict) -> None:
+    """SIGKILL the worker and its flow run (a machine gone) once sft has a checkpoint, then set the flow
+    run Crashed, as Prefect's automation for flow runs whose heartbeats stop does."""
+    deadline = time.monotonic() + 600
+    while not (found := sorted(artifacts.glob("sft/*/checkpoints/step-*/COMPLETE.json"))):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
+    for pid in descendants(worker_proc.pid) + [worker_proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    killed["checkpoint"] = found[0].parent
+    killed["finished"] = (found[0].parents[2] / "manifest.json").exists()
+    with get_client(sync_client=True) as client:
+        run = stage_runs("train")[-1]
+        client.set_flow_run_state(run.id, Crashed(message="no heartbeat: its worker is gone"), force=True)
+
+
+@pytest.fixture(scope="module")
+def runs(project):
+    """The pipeline with its worker killed mid-stage, then again on a new worker."""
+    killed = {}
+    with worker("train", project / "worker-1.log") as proc:
+        watcher = threading.Thread(target=kill_at_first_checkpoint,
+                                   args=(proc, project / "artifacts", killed), daemon=True)
+        watcher.start()
+        first = run_pipeline(project / "pipeline.yaml", [], project)
+        watcher.join()
+    with worker("train", project / "worker-2.log"):
+        second = run_pipeline(project / "pipeline.yaml", [], project)
+    print(f"killed run: {first.seconds:.1f} s, resumed run: {second.seconds:.1f} s inside the flow")
+    return first, second, killed
+
+
+def test_a_crashed_flow_run_fails_its_stage_by_name(runs):
+    first, _, killed = runs
+    assert statuses(first) == {"data": "ran", "sft": "failed"}
+    error = stage(first, "sft").error
+    assert error.startswith("stage 'sft' on work pool 'train': flow run pools.sft"), error
+    assert "Crashed: no heartbeat: its worker is gone" in error
+    checkpoint = killed["checkpoint"]
+    assert int(checkpoint.name.removeprefix("step-")) < 8  # mid-stage
+    assert not killed["finished"]
+
+
+def test_the_next_run_resumes_the_stage_on_a_new_worker(runs, project):
+    _, second, _ = runs
+    assert statuses(second) == {"data": "cached", "sft": "resumed"}, [s.error for s in second.stages]
+    assert stage(second, "sft").metrics["steps"] == 8.0
+    assert [(r.name, r.state.name) for r in stage_runs("train")] == [("pools.sft", "Crashed"),
+                                                                     ("pools.sft", "Resumed")]
+    # the worker's flow run ran the stage: the MLflow run its manifest names is nested under the
+    # pipeline's run and was opened by the worker's process, not this one
+    from mlflow.tracking import MlflowClient
+
+    manifest = json.loads((Path(stage(second, "sft").artifact) / "manifest.json").read_text())
+    run = MlflowClient(tracking_uri(project)).get_run(manifest["mlflow_run_id"])
+    assert run.data.tags["mlflow.parentRunId"] == second.mlflow_run_id
+    assert run.data.tags["alignflow.status"] == "resumed"
+    assert run.data.tags["alignflow.pid"] != str(os.getpid())
+    assert run.data.metrics["steps"] == 8.0
+
+
+def test_a_rerun_is_all_cached_without_a_worker(runs, project):
+    _, second, _ = runs
+    again = run_pipeline(project / "pipeline.yaml", [], project)
+    assert statuses(again) == {"data": "cached", "sft": "cached"}
+    assert [s.artifact for s in again.stages] == [s.artifact for s in second.stages]
+    assert len(stage_runs("train")) == 2  # a finished stage is never sent to its pool
+
+
+def test_the_stage_run_here_lands_on_the_same_digest_and_weights(runs, project, tmp_path):
+    _, second, _ = runs
+    here = run_pipeline(project / "here.yaml", [], project, tmp_path / "artifacts")
+    assert statuses(here) == {"data": "ran", "sft": "ran"}
+    # where a stage runs is not part of its digest; resumed on a worker = trained here, uninterrupted
+    assert Path(stage(here, "sft").artifact).name == Path(stage(second, "sft").artifact).name
+    clean, resumed = weights(here, "sft"), weights(second, "sft")
+    assert clean.keys() == resumed.keys()
+    for name, tensor in clean.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+def test_a_pool_without_a_worker_fails_its_stage_after_the_timeout(project, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGNFLOW_POOL_TIMEOUT", "3")
+    started = time.monotonic()
+    report = run_pipeline(project / "pipeline.yaml", ["sft.pool=nobody"], project, tmp_path / "artifacts")
+    assert statuses(report) == {"data": "ran", "sft": "failed"}
+    error = stage(report, "sft").error
+    assert "no worker of work pool 'nobody'" in error and "within 3 s" in error, error
+    assert "prefect worker start --pool nobody" in error
+    assert time.monotonic() - started < 60
+    assert [r.state.name for r in stage_runs("nobody")] == ["Cancelled"]  # not left for a later worker
+
+
+def test_a_stage_pool_overrides_the_pipeline_map_and_names_are_checked(monkeypatch):
+    from alignflow.core.errors import SpecError
+    from alignflow.core.spec import parse_spec
+    from alignflow.flows.remote import pool_timeout
+
+    rows = {"kind": "select", "inputs": {"dataset": "in.jsonl"}, "selectors": ["dedup"]}
+    spec = parse_spec({"name": "p", "pools": {"select": "cpu"}, "stages": {
+        "a": rows, "b": {**rows, "pool": "gpu-1"}, "c": {**rows, "kind": "select"}}}, "p.yaml")
+    assert {n: spec.pool_of(n) for n in spec.stages} == {"a": "cpu", "b": "gpu-1", "c": "cpu"}
+    assert parse_spec({"name": "p", "stages": {"a": rows}}).pool_of("a") is None  # the pipeline's process
+    with pytest.raises(SpecError, match=r"p.yaml: stages.a.pool: .*'gpu/1' is not a work pool name"):
+        parse_spec({"name": "p", "stages": {"a": {**rows, "pool": "gpu/1"}}}, "p.yaml")
+    with pytest.raises(SpecError, match=r"p.yaml: pools.train.\[key\]: Input should be 'select'"):
+        parse_spec({"name": "p", "pools": {"train": "gpu"}, "stages": {"a": rows}}, "p.yaml")
+    assert pool_timeout() == 600
+    monkeypatch.setenv("ALIGNFLOW_POOL_TIMEOUT", "0")
+    with pytest.raises(SpecError, match="ALIGNFLOW_POOL_TIMEOUT='0': expected a whole number of seconds"):
+        pool_timeout()
+
+
+def test_deploy_creates_the_stage_deployment_on_each_pool_the_spec_names(tmp_path, monkeypatch, capsys):
+    from alignflow.flows.cli import main
+
+    (tmp_path / "in.jsonl").write_text('{"prompt": "1+1"}\n')
+    (tmp_path / "p.yaml").write_text("name: deploy-pools\npools: {select: cpu}\nstages:\n  rows:\n"
+                                     "    kind: select\n    inputs: {dataset: in.jsonl}\n    selectors: [dedup]\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["deploy", "p.yaml", "--cron", "0 3 * * *", "--pool", "pipelines"]) == 0
+    assert "prefect worker start --pool cpu" in capsys.readouterr().out
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("alignflow-stage/cpu")
+        assert client.read_work_pool("cpu").type == "process"
+    assert deployment.entrypoint == "alignflow.flows.remote.stage_flow"  # the installed package: no code storage
+    assert deployment.work_pool_name == "cpu" and not deployment.schedules  # started by the pipeline's runs
