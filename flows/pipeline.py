@@ -23,6 +23,7 @@ from alignflow.flows import shutdown
 from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
 from alignflow.flows.execute import StageOutcome, execute_stage, requested_processes
+from alignflow.flows.nodes import requested_nodes
 from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import StagePlan, plan_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
@@ -101,14 +102,16 @@ def stage_report(plan: StagePlan, state: State) -> StageReport:
                        error="an upstream stage failed")
 
 
-NPROC_TAG = "alignflow.nproc"  # `--nproc`: an rl stage's result depends on it, so a reproduction reuses it
+# The ranks of every node together (`--nproc` x `--nnodes`): an rl stage's result depends on their number, so a
+# reproduction reruns on that many processes (one machine's worth lands on the same digest).
+NPROC_TAG = "alignflow.nproc"
 
 
 def start_tracking(session: Session) -> str:
     """Open the MLflow parent run with the spec and data.dvc as artifacts; returns its id."""
     tags = {"prefect.flow_run_id": str(flow_run.get_id()), "alignflow.pipeline": session.spec.name,
             "alignflow.data_version": str(data_version(session.project)),
-            NPROC_TAG: str(requested_processes()), **git_state(session.project)}
+            NPROC_TAG: str(requested_processes() * requested_nodes().count), **git_state(session.project)}
     files = {"spec.yaml": session.spec_text}
     dvc_file = session.project / "data.dvc"
     if dvc_file.is_file():
