@@ -6,7 +6,8 @@ and reads the finished manifest from the artifact store, which both machines mus
 the same folder). The worker's flow run rebuilds the session from the pipeline's resolved spec text
 and runs `execute_stage` for that one stage: the manifest cache, the stage lock, checkpoints and
 resume, and the MLflow child run are the same code as in the pipeline's own process. A worker killed
-mid-stage leaves the stage's checkpoints; the next run of the pipeline resumes from them.
+mid-stage (its machine gone) stops heartbeating: the pipeline sets its flow run Crashed and fails the
+stage by name; the stage's checkpoints stay, and the next run of the pipeline resumes from them.
 """
 
 from __future__ import annotations
@@ -130,10 +131,12 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
 
 def wait_for_run(client, run, pool: str, stage: str, timeout: float):
     """The flow run once final. A run that no worker takes within `timeout` seconds is cancelled and
-    the stage fails naming the pool; once a worker has it, it may run as long as it needs."""
+    the stage fails naming the pool; once a worker has it, it may run as long as it needs, as long as
+    that worker lives: a run whose worker stops heartbeating (see `WorkerWatch`) is set Crashed."""
     from prefect.states import Cancelled
 
     started = time.monotonic()
+    watch = WorkerWatch(pool)
     while True:
         run = client.read_flow_run(run.id)
         if run.state is not None and run.state.is_final():
@@ -148,4 +151,62 @@ def wait_for_run(client, run, pool: str, stage: str, timeout: float):
                     f"{timeout:g} s ({POOL_TIMEOUT_ENV}); the pool has "
                     f"{len(online)} online worker{'s' if len(online) != 1 else ''}. Start one where the "
                     f"stage should run: prefect worker start --pool {pool}")
+        elif run.state is not None and not run.state.is_scheduled() and (gone := watch.gone(client, run)):
+            crash_run(client, run, gone)  # then the next read returns it final and the stage fails
+            continue
         time.sleep(POLL_S)
+
+
+# Prefect's foreman marks a worker OFFLINE after this many missed heartbeats (its
+# inactivity_heartbeat_multiple default); a worker's heartbeat loop jitters each interval by up to 30 %.
+MISSED_BEATS = 3
+HEARTBEAT_JITTER = 1.3
+
+
+class WorkerWatch:
+    """Tells when the worker that took a flow run is gone (its machine died, or it was killed).
+
+    A worker labels each flow run it takes `prefect.worker.name` before it starts it, and heartbeats
+    every `heartbeat_interval_seconds` (PREFECT_WORKER_HEARTBEAT_SECONDS, default 30) while it lives.
+    A process worker's flow run is its child process, so the run lives no longer than its worker. The
+    worker counts as gone when the server's `last_heartbeat_time` for it has not changed for
+    MISSED_BEATS x 1.3 x its interval, timed on this machine's monotonic clock (no comparison of two
+    machines' clocks), or when the pool no longer lists it after as long. A worker that heartbeats is
+    never judged gone, however long its stage runs.
+    """
+
+    def __init__(self, pool: str):
+        self.pool = pool
+        self.seen: dict[str, tuple[object, float]] = {}  # worker name -> (last heartbeat, when it changed)
+
+    def gone(self, client, run) -> str | None:
+        """A message naming the worker and how long it has been silent, or None while it lives."""
+        name = (run.labels or {}).get("prefect.worker.name")
+        if not name:  # not taken by a worker yet (or by one that does not label its runs)
+            return None
+        worker = next((w for w in client.read_workers_for_work_pool(self.pool) if w.name == name), None)
+        beat = worker.last_heartbeat_time if worker is not None else None
+        interval = (worker.heartbeat_interval_seconds if worker is not None else None) or 30
+        now = time.monotonic()
+        last, since = self.seen.get(name, (None, now))
+        if name not in self.seen or beat != last:
+            self.seen[name] = (beat, now)
+            return None
+        silent = now - since
+        if silent <= MISSED_BEATS * HEARTBEAT_JITTER * interval:
+            return None
+        what = "is no longer registered" if worker is None else f"sent no heartbeat for {silent:.0f} s"
+        return (f"worker {name!r} of work pool {self.pool!r} {what} (it beats every {interval} s): "
+                "its machine or process is gone")
+
+
+def crash_run(client, run, message: str) -> None:
+    """Set `run` Crashed with `message`, unless it reached a final state meanwhile."""
+    from prefect.states import Crashed
+
+    answer = client.set_flow_run_state(run.id, Crashed(message=message))
+    if answer.status.value != "ACCEPT":  # the server refused: force it unless the run finished itself
+        current = client.read_flow_run(run.id)
+        if current.state is None or not current.state.is_final():
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+    log.warning("flow run %s (%s): %s; set Crashed", run.name, run.id, message)

@@ -1,7 +1,8 @@
-"""Stages on Prefect work pools, end to end on a real Prefect server: the select stage runs in the pipeline's
-process, the sft stage on work pool `train`, taken by real `prefect worker start --pool train` processes.
-A worker killed mid-stage leaves checkpoints; its crashed flow run fails the stage by name; the next run,
-on a new worker, resumes the stage to the weights of an uninterrupted run in the pipeline's own process;
+"""Stages on Prefect work pools, end to end on a real Prefect server with two process work pools: the
+select stage runs on pool `cpu`, the sft stage on pool `train`, each taken by real `prefect worker start`
+processes. A train worker killed mid-stage with its flow run (a machine gone) leaves checkpoints and
+stops heartbeating; the pipeline sets its flow run Crashed and fails the stage by name; the next run, on
+a new worker, resumes the stage to the weights of an uninterrupted run in the pipeline's own process;
 a rerun is all cached; a pool without a worker fails its stage after the timeout."""
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import torch
 from prefect import get_client
 from prefect.client.schemas.filters import DeploymentFilter
 from prefect.settings import PREFECT_API_URL
-from prefect.states import Crashed
 from safetensors.torch import load_file
 
 from alignflow.core.task import write_datasets
@@ -29,11 +29,13 @@ from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import descendants, stop_processes
 from alignflow.flows.tracking import tracking_uri
 
+HEARTBEAT_S = 2  # workers heartbeat each 2 s (Prefect's default: 30), so a dead one is told in ~8 s
+
 # sft saves every 2 of its 8 steps, so a kill after its first checkpoint lands mid-stage.
 PIPELINE = """
 name: pools
 seed: 0
-pools: {sft: train}
+pools: {select: cpu, sft: train}
 stages:
   data:
     kind: select
@@ -64,7 +66,8 @@ def env() -> dict[str, str]:
     """The harness's server, one thread, and not this process's torch.distributed rank."""
     out = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     out.update(PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1",
-               PREFECT_WORKER_QUERY_SECONDS="1")  # a worker polls each second, not each 10
+               PREFECT_WORKER_QUERY_SECONDS="1",  # a worker polls each second, not each 10
+               PREFECT_WORKER_HEARTBEAT_SECONDS=str(HEARTBEAT_S))
     return out
 
 
@@ -97,13 +100,21 @@ def project(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pools")
     write_datasets(root / "data")
     (root / "pipeline.yaml").write_text(PIPELINE)
-    (root / "here.yaml").write_text(PIPELINE.replace("pools: {sft: train}\n", ""))  # every stage in-process
+    # every stage in the pipeline's process
+    (root / "here.yaml").write_text(PIPELINE.replace("pools: {select: cpu, sft: train}\n", ""))
     return root
 
 
+@pytest.fixture(scope="module")
+def cpu_worker(project):
+    """One worker of pool `cpu`, for the data stages, for the whole module."""
+    with worker("cpu", project / "worker-cpu.log") as proc:
+        yield proc
+
+
 def kill_at_first_checkpoint(worker_proc, artifacts: Path, killed: dict) -> None:
-    """SIGKILL the worker and its flow run (a machine gone) once sft has a checkpoint, then set the flow
-    run Crashed, as Prefect's automation for flow runs whose heartbeats stop does."""
+    """SIGKILL the worker and its flow run (a machine gone) once sft has a checkpoint; nothing else: the
+    pipeline must itself tell that the worker is gone and fail the stage."""
     deadline = time.monotonic() + 600
     while not (found := sorted(artifacts.glob("sft/*/checkpoints/step-*/COMPLETE.json"))):
         if time.monotonic() > deadline:
@@ -114,33 +125,36 @@ def kill_at_first_checkpoint(worker_proc, artifacts: Path, killed: dict) -> None
             os.kill(pid, signal.SIGKILL)
     killed["checkpoint"] = found[0].parent
     killed["finished"] = (found[0].parents[2] / "manifest.json").exists()
-    with get_client(sync_client=True) as client:
-        run = stage_runs("train")[-1]
-        client.set_flow_run_state(run.id, Crashed(message="no heartbeat: its worker is gone"), force=True)
+    killed["at"] = time.monotonic()
 
 
 @pytest.fixture(scope="module")
-def runs(project):
-    """The pipeline with its worker killed mid-stage, then again on a new worker."""
+def runs(project, cpu_worker):
+    """The pipeline with its train worker killed mid-stage, then again on a new train worker."""
     killed = {}
     with worker("train", project / "worker-1.log") as proc:
         watcher = threading.Thread(target=kill_at_first_checkpoint,
                                    args=(proc, project / "artifacts", killed), daemon=True)
         watcher.start()
         first = run_pipeline(project / "pipeline.yaml", [], project)
+        killed["noticed_s"] = time.monotonic() - killed.get("at", float("nan"))
         watcher.join()
     with worker("train", project / "worker-2.log"):
         second = run_pipeline(project / "pipeline.yaml", [], project)
-    print(f"killed run: {first.seconds:.1f} s, resumed run: {second.seconds:.1f} s inside the flow")
+    print(f"killed run: {first.seconds:.1f} s (failed {killed['noticed_s']:.1f} s after the kill), "
+          f"resumed run: {second.seconds:.1f} s inside the flow")
     return first, second, killed
 
 
-def test_a_crashed_flow_run_fails_its_stage_by_name(runs):
+def test_a_dead_worker_crashes_its_flow_run_and_fails_its_stage_by_name(runs):
     first, _, killed = runs
     assert statuses(first) == {"data": "ran", "sft": "failed"}
     error = stage(first, "sft").error
     assert error.startswith("stage 'sft' on work pool 'train': flow run pools.sft"), error
-    assert "Crashed: no heartbeat: its worker is gone" in error
+    assert "Crashed: worker 'ProcessWorker " in error and "of work pool 'train' sent no heartbeat for" in error
+    assert f"(it beats every {HEARTBEAT_S} s): its machine or process is gone" in error
+    # told after 3 missed beats (x 1.3 jitter: 7.8 s) and a poll, not at once, not never
+    assert 3 * HEARTBEAT_S < killed["noticed_s"] < 60, killed["noticed_s"]
     checkpoint = killed["checkpoint"]
     assert int(checkpoint.name.removeprefix("step-")) < 8  # mid-stage
     assert not killed["finished"]
@@ -150,8 +164,12 @@ def test_the_next_run_resumes_the_stage_on_a_new_worker(runs, project):
     _, second, _ = runs
     assert statuses(second) == {"data": "cached", "sft": "resumed"}, [s.error for s in second.stages]
     assert stage(second, "sft").metrics["steps"] == 8.0
+    # the resumed run took longer than a dead worker is given (~8 s): a live worker's run is never crashed
+    assert stage(second, "sft").seconds > 3 * 1.3 * HEARTBEAT_S
     assert [(r.name, r.state.name) for r in stage_runs("train")] == [("pools.sft", "Crashed"),
                                                                      ("pools.sft", "Resumed")]
+    # both pools ran stages: the data stage on `cpu` once, cached the second time (never sent again)
+    assert [(r.name, r.state.name) for r in stage_runs("cpu")] == [("pools.data", "Completed")]
     # the worker's flow run ran the stage: the MLflow run its manifest names is nested under the
     # pipeline's run and was opened by the worker's process, not this one
     from mlflow.tracking import MlflowClient
@@ -169,7 +187,7 @@ def test_a_rerun_is_all_cached_without_a_worker(runs, project):
     again = run_pipeline(project / "pipeline.yaml", [], project)
     assert statuses(again) == {"data": "cached", "sft": "cached"}
     assert [s.artifact for s in again.stages] == [s.artifact for s in second.stages]
-    assert len(stage_runs("train")) == 2  # a finished stage is never sent to its pool
+    assert len(stage_runs("train")) == 2 and len(stage_runs("cpu")) == 1  # a finished stage is never sent
 
 
 def test_the_stage_run_here_lands_on_the_same_digest_and_weights(runs, project, tmp_path):
@@ -185,9 +203,9 @@ def test_the_stage_run_here_lands_on_the_same_digest_and_weights(runs, project, 
 
 
 def test_a_pool_without_a_worker_fails_its_stage_after_the_timeout(project, tmp_path, monkeypatch):
-    monkeypatch.setenv("ALIGNFLOW_POOL_TIMEOUT", "3")
+    monkeypatch.setenv("ALIGNFLOW_POOL_TIMEOUT", "3")  # data runs here: no 3 s race for the cpu worker
     started = time.monotonic()
-    report = run_pipeline(project / "pipeline.yaml", ["sft.pool=nobody"], project, tmp_path / "artifacts")
+    report = run_pipeline(project / "here.yaml", ["sft.pool=nobody"], project, tmp_path / "artifacts")
     assert statuses(report) == {"data": "ran", "sft": "failed"}
     error = stage(report, "sft").error
     assert "no worker of work pool 'nobody'" in error and "within 3 s" in error, error
