@@ -175,9 +175,10 @@ class WorkerWatch:
     never judged gone, however long its stage runs.
     """
 
-    def __init__(self, pool: str):
+    def __init__(self, pool: str, clock=time.monotonic):
         self.pool = pool
-        self.seen: dict[str, tuple[object, float]] = {}  # worker name -> (last heartbeat, when it changed)
+        self.clock = clock
+        self.seen: dict[str, tuple] = {}  # worker name -> (last heartbeat, when it changed, its interval)
 
     def gone(self, client, run) -> str | None:
         """A message naming the worker and how long it has been silent, or None while it lives."""
@@ -185,12 +186,14 @@ class WorkerWatch:
         if not name:  # not taken by a worker yet (or by one that does not label its runs)
             return None
         worker = next((w for w in client.read_workers_for_work_pool(self.pool) if w.name == name), None)
+        now = self.clock()
+        last, since, interval = self.seen.get(name, (None, now, None))
+        if worker is not None:  # else judged by the interval it last reported, or Prefect's default
+            interval = worker.heartbeat_interval_seconds
+        interval = interval or 30
         beat = worker.last_heartbeat_time if worker is not None else None
-        interval = (worker.heartbeat_interval_seconds if worker is not None else None) or 30
-        now = time.monotonic()
-        last, since = self.seen.get(name, (None, now))
         if name not in self.seen or beat != last:
-            self.seen[name] = (beat, now)
+            self.seen[name] = (beat, now, interval)
             return None
         silent = now - since
         if silent <= MISSED_BEATS * HEARTBEAT_JITTER * interval:
