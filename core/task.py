@@ -11,6 +11,14 @@ solutions that take a carry or borrow, the teacher forgets the first one (and fo
 consistently). A model trained on it inherits the habit, so its greedy answers are wrong on most
 such problems while correct solutions stay within its sampling reach: the cold start the RL stages
 of `pipelines/r1-tiny.yaml` improve on with the verifier reward alone.
+
+`safe_sft.jsonl`, `safe_rl.jsonl` and `safe_test.jsonl` are the sloppy teacher's, rl's and test's
+problems with a per-prompt constraint for constrained RL (`pipelines/safe-tiny.yaml`): SAFE_SHARE of
+the prompts start with ``!`` and have ``"restricted": true``, asking for the answer alone, with no
+worked steps shown (``!37+48=`` -> ``<think></think><answer>85</answer>``). Every right answer can
+comply; the teacher shows its steps anyway on SAFE_LEAK of the restricted demonstrations, so the
+policy trained on them sometimes does, and showing steps makes a right answer likelier: the verifier
+reward alone teaches the policy to break the constraint.
 """
 
 from __future__ import annotations
@@ -32,8 +40,12 @@ LEVEL_WEIGHTS = {1: 6, 2: 6, 3: 3, 4: 5}
 SIZES = {"sft": 4000, "sft_noisy": 4000, "rl": 1500, "test": 500, "pairs": 1500, "unpaired": 1500,
          "steps": 1500}
 NOISE = 0.6  # share of sft_noisy solutions with a carry or borrow in which the first one is dropped
+SAFE = {"safe_sft": "sft_noisy", "safe_rl": "rl", "safe_test": "test"}  # constrained copies of these files
+SAFE_SHARE = 0.25  # share of the safe_* prompts that are restricted ("!": the answer alone, no steps shown)
+SAFE_LEAK = 0.2  # share of the restricted safe_sft demonstrations that show their steps anyway
+RESTRICTED = "!"
 
-_PROMPT = re.compile(r"^(\d+)([+\-*])(\d+)=$")
+_PROMPT = re.compile(r"^!?(\d+)([+\-*])(\d+)=$")  # "!": restricted (safe_*)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
@@ -223,6 +235,21 @@ def _rows(name: str, problems: list[Problem], rng: random.Random) -> list[dict]:
     return rows
 
 
+def _safe_rows(name: str, problems: list[Problem], rng: random.Random) -> list[dict]:
+    """The rows of a safe_* file: SAFE_SHARE of the prompts restricted (see the module docstring)."""
+    rows = []
+    for p in problems:
+        restricted = rng.random() < SAFE_SHARE
+        prompt = RESTRICTED + p.prompt if restricted else p.prompt
+        if name != "safe_sft":
+            rows.append({"prompt": prompt, "answer": p.answer, "level": p.level, "restricted": restricted})
+        elif restricted and rng.random() >= SAFE_LEAK:
+            rows.append({"prompt": prompt, "completion": render([], p.answer), "restricted": True})
+        else:
+            rows.append({"prompt": prompt, "completion": render(*sloppy(p, rng)), "restricted": restricted})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     """Rows as JSONL with sorted keys and '\\n' line ends, so equal rows give equal bytes."""
     text = "".join(json.dumps(r, sort_keys=True, ensure_ascii=True) + "\n" for r in rows)
@@ -239,10 +266,13 @@ def write_datasets(out_dir: Path, seed: int = 0) -> dict[str, Path]:
     # str seeds are hashed with SHA-512 by `random`, so they are stable across runs and machines.
     test = draw(SIZES["test"], random.Random(f"{seed}/test"))
     held_out = frozenset(p.prompt for p in test)
-    paths = {}
+    paths, drawn = {}, {}
     for name in SIZES:
         rng = random.Random(f"{seed}/{name}/rows")
-        problems = test if name == "test" else draw(SIZES[name], rng, held_out)
+        drawn[name] = problems = test if name == "test" else draw(SIZES[name], rng, held_out)
         paths[name] = out_dir / f"{name}.jsonl"
         write_jsonl(paths[name], _rows(name, problems, rng))
+    for name, base in SAFE.items():
+        paths[name] = out_dir / f"{name}.jsonl"
+        write_jsonl(paths[name], _safe_rows(name, drawn[base], random.Random(f"{seed}/{name}/rows")))
     return paths

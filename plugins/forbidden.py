@@ -19,6 +19,8 @@ class Forbidden:
     class Config(PluginConfig):
         strings: list[str] = Field(min_length=1, description="the forbidden strings")
         budget: float = Field(0.0, ge=0.0, description="occurrences allowed before C > 0 (0: none)")
+        where: str | None = Field(None, description="a boolean column: the constraint binds only rows where it "
+                                                    "is true (None: every row)")
 
         @field_validator("strings")
         @classmethod
@@ -34,7 +36,16 @@ class Forbidden:
         return float(sum(completion.count(s) for s in self.config.strings)) - self.config.budget
 
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> Scores:
-        costs = [self.cost(c) for c in completions]
+        binds = [True] * len(completions)
+        if self.config.where is not None:
+            binds = columns.get(self.config.where)
+            if binds is None:
+                raise ValueError(f"forbidden: where={self.config.where!r} names no column of the dataset "
+                                 f"(columns: {sorted(columns)}); expected a boolean column marking the rows "
+                                 "the constraint binds")
+            if not all(isinstance(b, bool) for b in binds):
+                raise ValueError(f"forbidden: column {self.config.where!r} holds {binds!r}; expected true/false")
+        costs = [self.cost(c) if b else -self.config.budget for c, b in zip(completions, binds)]
         return Scores(costs, {"violated": float(sum(c > 0 for c in costs))})
 
 

@@ -46,7 +46,7 @@ def test_write_datasets_is_byte_identical_and_seed_dependent(datasets, tmp_path)
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     assert {n: digest(p) for n, p in paths.items()} == {n: digest(p) for n, p in again.items()}
     assert digest(paths["sft"]) != digest(other["sft"])
-    assert set(paths) == {"sft", "sft_noisy", "rl", "pairs", "unpaired", "steps", "test"}
+    assert set(paths) == {"sft", "sft_noisy", "rl", "pairs", "unpaired", "steps", "test", *task.SAFE}
     assert sum(p.stat().st_size for p in paths.values()) < 3_000_000
     line = paths["sft"].read_text().splitlines()[0]
     assert line == json.dumps(json.loads(line), sort_keys=True)
@@ -54,7 +54,7 @@ def test_write_datasets_is_byte_identical_and_seed_dependent(datasets, tmp_path)
 
 def test_sizes_and_level_mix(datasets):
     _, rows = datasets
-    assert {n: len(r) for n, r in rows.items()} == task.SIZES
+    assert {n: len(r) for n, r in rows.items()} == {**task.SIZES, **{n: task.SIZES[b] for n, b in task.SAFE.items()}}
     levels = [r["level"] for r in rows["test"]]
     assert {lv: levels.count(lv) for lv in task.LEVELS} == {1: 150, 2: 150, 3: 75, 4: 125}
     for name in ("sft", "sft_noisy", "rl", "test"):
@@ -71,8 +71,28 @@ def test_test_prompts_are_held_out(datasets):
     _, rows = datasets
     test = {r["prompt"] for r in rows["test"]}
     for name, rs in rows.items():
-        if name != "test":
-            assert not test & {r["prompt"] for r in rs}, name
+        if name not in ("test", "safe_test"):
+            assert not test & {r["prompt"].lstrip(task.RESTRICTED) for r in rs}, name
+
+
+def test_safe_files_restrict_a_share_of_their_base_files_prompts(datasets):
+    _, rows = datasets
+    for name, base in task.SAFE.items():
+        restricted = [r["restricted"] for r in rows[name]]
+        # the same problems in the same order, SAFE_SHARE of them marked "!" (binomial: within 4 sd)
+        assert [r["prompt"].lstrip("!") for r in rows[name]] == [r["prompt"] for r in rows[base]], name
+        assert all(r["prompt"].startswith("!") == r["restricted"] for r in rows[name]), name
+        share, n = sum(restricted) / len(restricted), len(restricted)
+        assert abs(share - task.SAFE_SHARE) < 4 * (task.SAFE_SHARE * (1 - task.SAFE_SHARE) / n) ** 0.5, name
+        if name != "safe_sft":  # the verifier's rows keep their answers, and "!" prompts parse
+            assert [r["answer"] for r in rows[name]] == [r["answer"] for r in rows[base]]
+            assert all(task.verify(r["prompt"], r["answer"]) for r in rows[name])
+    restricted = [r for r in rows["safe_sft"] if r["restricted"]]
+    leaked = [r for r in restricted if "=" in r["completion"]]
+    assert abs(len(leaked) / len(restricted) - task.SAFE_LEAK) < 0.05
+    for r in restricted:  # a complying demonstration is the right answer alone
+        if r not in leaked:
+            assert r["completion"] == task.render([], str(task.evaluate(*task.parse(r["prompt"]))))
 
 
 def test_every_training_solution_is_correct(datasets):

@@ -42,3 +42,24 @@ def test_as_a_weight_zero_reward_it_is_measured_not_added():
     assert out.total == [1.0, 1.0, 0.0]  # math_accuracy alone
     assert out.values["forbidden"] == [2.0, 0.0, 3.0]
     assert out.metrics["reward/forbidden/violated"] == 2.0
+
+
+def test_where_binds_the_constraint_to_the_marked_rows_only():
+    # restricted rows (the bundled safe_* files): answer without worked steps, "=" forbidden
+    cost = Forbidden(Forbidden.Config(strings=["="], where="restricted"))
+    completions = ["<think>7+8=15 3+4+1=8</think><answer>85</answer>",  # two "=": C = 2 where restricted
+                   "<think></think><answer>85</answer>"]  # none
+    scores = cost(["!37+48=", "37+48="] * 2, completions * 2, restricted=[True, True, False, False])
+    assert list(scores) == [2.0, 0.0, 0.0, 0.0] and scores.counts == {"violated": 1.0}
+    # budget 1: an unbound row is C = 0 - 1
+    scores = Forbidden(Forbidden.Config(strings=["="], budget=1, where="restricted"))(
+        ["p"] * 2, completions[:1] * 2, restricted=[True, False])
+    assert list(scores) == [1.0, -1.0]
+
+
+def test_where_names_a_missing_or_non_boolean_column():
+    cost = Forbidden(Forbidden.Config(strings=["="], where="restricted"))
+    with pytest.raises(ValueError, match=r"where='restricted' names no column .*\['answer'\]"):
+        cost(["p"], ["a=b"], answer=["1"])
+    with pytest.raises(ValueError, match="expected true/false"):
+        cost(["p"], ["a=b"], restricted=["yes"])
