@@ -86,7 +86,8 @@ def can_run_in_child(plugins) -> bool:
     return not launched and plugin_recipe(plugins) is not None
 
 
-def _payload(kind: str, ctx: StageContext, threads: int, world: int = 1) -> dict:
+def stage_payload(kind: str, ctx: StageContext, threads: int, world: int = 1) -> dict:
+    """The stage as plain data that a spawned child (`world` ranks in all) rebuilds its context from."""
     return {
         "kind": kind, "name": ctx.name, "spec": ctx.spec.model_dump(mode="json", by_alias=True),
         "settings": ctx.settings.model_dump(mode="json", by_alias=True),
@@ -173,7 +174,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
         out.put(("error", 0, *_portable(exc)))
 
 
-def _rank_main(payload: dict, out: multiprocessing.Queue) -> None:
+def rank_main(payload: dict, out: multiprocessing.Queue) -> None:
     """One rank, started by torch's elastic launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT are its)."""
     rank = int(os.environ["RANK"])
     out.put(("started", rank, os.getpid()))
@@ -208,7 +209,7 @@ def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1, nod
         return run_ranks(kind, ctx, threads, ranks, nodes)
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
-    child = mp.Process(target=_child_main, args=(_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")
+    child = mp.Process(target=_child_main, args=(stage_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")
     child.start()
     try:
         return _collect(ctx, child, out)
@@ -236,13 +237,15 @@ def _collect(ctx: StageContext, child, out) -> StageResult:
             ctx.log_metrics(message[1], message[2])
         elif message[0] == "error":
             _, _, exc, trace, _ = message
-            _raise(ctx, exc, trace, "the stage's process")
+            raise_failure(ctx, exc, trace, "the stage's process")
         else:
             _, _, outputs, metrics, headline = message
             return StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
 
 
-def _raise(ctx: StageContext, exc: BaseException | None, trace: str, place: str, cause=None):
+def raise_failure(ctx: StageContext, exc: BaseException | None, trace: str, place: str, cause=None):
+    """Raise what a child sent: its own exception with `place` and its traceback as a note, else
+    ChildFailed carrying the traceback (the exception did not pickle)."""
     if exc is None:
         raise ChildFailed(f"stage {ctx.name!r} failed in {place}:\n{trace.rstrip()}") from cause
     exc.add_note(f"--- in {place}:\n{trace.rstrip()}")

@@ -88,10 +88,15 @@ def requested_processes() -> int:
     return 1 if value is None else stage_count(value, NPROC_ENV, "processes")
 
 
+def total_processes() -> int:
+    """The ranks of every node together: `requested_processes()` on each of `--nnodes` nodes."""
+    return requested_processes() * requested_nodes().count
+
+
 def data_parallel_ranks(kind: str) -> int:
-    """Processes a stage of `kind` trains on, on all nodes together: `requested_processes()` on each of
-    `--nnodes` for the data-parallel kinds, else 1."""
-    ranks = requested_processes() * requested_nodes().count
+    """Processes a stage of `kind` trains on, on all nodes together: `total_processes()` for the
+    data-parallel kinds, else 1."""
+    ranks = total_processes()
     if kind not in DATA_PARALLEL_KINDS:
         if ranks > 1:
             log.info("a %s stage runs on one process: %s=%d applies to %s stages", kind, NPROC_ENV, ranks,
@@ -150,20 +155,20 @@ def call_runner(kind: str, ctx: StageContext, started: list[float], order: int =
                                 "cannot rebuild plugins defined in __main__ or inside a function, nor run "
                                 "under another launcher's process group")
             started.append(time.time())
-            nodes = requested_nodes()
-            local = ranks // nodes.count
-            threads = _share(_share(_user_threads or torch.get_num_threads(), n), local)
-            return run_in_child(kind, ctx, threads=threads, ranks=local, nodes=nodes)
+            local = requested_processes()  # this node's share of the `ranks`
+            threads = thread_share(thread_share(_user_threads or torch.get_num_threads(), n), local)
+            return run_in_child(kind, ctx, threads=threads, ranks=local, nodes=requested_nodes())
         if _exclusive.acquire(blocking=False):
             return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):
             started.append(time.time())
-            return run_in_child(kind, ctx, threads=_share(_user_threads or torch.get_num_threads(), n))
+            return run_in_child(kind, ctx, threads=thread_share(_user_threads or torch.get_num_threads(), n))
         _exclusive.acquire()
         return _run_here(kind, ctx, n, started)
 
 
-def _share(threads: int, n: int) -> int:
+def thread_share(threads: int, n: int) -> int:
+    """Each of `n` sharers' part of `threads` torch threads, at least 1."""
     return max(1, threads // n)
 
 
@@ -172,7 +177,7 @@ def _run_here(kind: str, ctx: StageContext, n: int, started: list[float]) -> Sta
     global _user_threads
     user = _user_threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(_share(user, n))
+        torch.set_num_threads(thread_share(user, n))
         started.append(time.time())
         return RUNNERS[kind](ctx)
     finally:

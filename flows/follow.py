@@ -24,8 +24,8 @@ import torch
 from alignflow.core.errors import AlignflowError
 from alignflow.core.settings import settings_model
 from alignflow.flows.artifacts import ArtifactStore
-from alignflow.flows.execute import (DATA_PARALLEL_KINDS, StageOutcome, _share, parallel_stages,
-                                     requested_processes, resolve_inputs)
+from alignflow.flows.execute import (DATA_PARALLEL_KINDS, StageOutcome, parallel_stages, requested_processes,
+                                     resolve_inputs, thread_share)
 from alignflow.flows.nodes import Nodes, connect, run_ended
 from alignflow.flows.plan import StagePlan
 from alignflow.flows.stages import StageContext
@@ -115,7 +115,7 @@ def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, board, nodes:
         log_metrics=lambda metrics, step: None,  # rank 0, on node 0, reports the stage
     )
     local = requested_processes()
-    threads = _share(_share(torch.get_num_threads(), parallel_stages()), local)
+    threads = thread_share(thread_share(torch.get_num_threads(), parallel_stages()), local)
     log.info("node %d: stage %r: joining its rendezvous with %d rank%s", nodes.rank, plan.name, local,
              "s" if local > 1 else "")
     run_in_child(plan.kind, ctx, threads=threads, ranks=local, nodes=nodes)

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from alignflow.flows.child import ChildFailed, _payload, _raise, _rank_main
+from alignflow.flows.child import ChildFailed, raise_failure, rank_main, stage_payload
 from alignflow.flows.nodes import (Nodes, connect, failures, launch_config, publish_failure, rendezvous_id,
                                   run_ended)
 from alignflow.flows.stages import StageContext, StageResult
@@ -37,14 +37,14 @@ def run_ranks(kind: str, ctx: StageContext, threads: int, ranks: int, nodes: Nod
     nodes = nodes or Nodes()
     run_id = rendezvous_id(ctx)
     out = multiprocessing.get_context("spawn").Queue()
-    payload = _payload(kind, ctx, threads, world=ranks * nodes.count)
+    payload = stage_payload(kind, ctx, threads, world=ranks * nodes.count)
     board = connect(nodes) if nodes.many else None
     ended, outcome = threading.Event(), {}
 
     def launch() -> None:
         try:
             with launch_config(run_id, ranks, nodes) as config:
-                elastic_launch(config, _rank_main)(payload, out)
+                elastic_launch(config, rank_main)(payload, out)
         except BaseException as exc:  # noqa: BLE001 - the gatherer raises it
             outcome["error"] = exc
         finally:
@@ -138,7 +138,7 @@ class _Gather:
         deaths = self._deaths(launcher_error)
         for rank, exc, trace, lost_peers in self.errors:
             if not lost_peers:
-                _raise(self.ctx, exc, trace, self.place(rank), launcher_error)
+                raise_failure(self.ctx, exc, trace, self.place(rank), launcher_error)
         if deaths and not self.stopped:
             raise ChildFailed(f"stage {self.ctx.name!r}: " + "; ".join(deaths)) from launcher_error
         remote = self._remote_causes() if self.board is not None else []
@@ -146,7 +146,7 @@ class _Gather:
             raise ChildFailed(f"stage {self.ctx.name!r}: {remote[0]['text']}; this node's ranks were stopped") \
                 from launcher_error
         for rank, exc, trace, _ in self.errors:
-            _raise(self.ctx, exc, trace, self.place(rank), launcher_error)
+            raise_failure(self.ctx, exc, trace, self.place(rank), launcher_error)
         if launcher_error is not None:
             raise ChildFailed(f"stage {self.ctx.name!r}: the ranks' launcher failed: {_describe(launcher_error)}") \
                 from launcher_error

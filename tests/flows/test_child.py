@@ -66,14 +66,23 @@ def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data):
-    # 8 rows a step: here two micro-batches of 4 accumulated, there 4 rows on each of two ranks; the 16
-    # held-out rows are four micro-batches, two on each rank
-    here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4, micro_batch_size=4, eval_fraction=0.25)
+# 8 rows a step: in one process two micro-batches of 4 accumulated, on two ranks 4 rows on each; the 16
+# held-out rows are four micro-batches, two on each rank
+TWO_RANKS = {"max_steps": 4, "micro_batch_size": 4, "eval_fraction": 0.25}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, data):
+    """One run of the stage on two ranks, for the tests below: (its folder, logged metrics, result)."""
+    root = tmp_path_factory.mktemp("two-ranks")
+    ctx, logged = context(root, data, **TWO_RANKS)
+    return root, logged, run_in_child("sft", ctx, threads=1, ranks=2)
+
+
+def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data, two_ranks):
+    here_ctx, here_logged = context(tmp_path / "here", data, **TWO_RANKS)
     here = run_sft(here_ctx)
-    ranks_ctx, ranks_logged = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4,
-                                      eval_fraction=0.25)
-    ranks = run_in_child("sft", ranks_ctx, threads=1, ranks=2)
+    ranks_root, ranks_logged, ranks = two_ranks
     # rank 0 logs once for the stage, and its loss and accuracy are over both ranks' rows (its own
     # share of the loss alone would be about half)
     assert [s for s, _ in ranks_logged] == [s for s, _ in here_logged]
@@ -85,15 +94,15 @@ def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, 
     a, b = (load_file(r.outputs["model"] / "model.safetensors") for r in (here, ranks))
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
     # two processes did train: the last checkpoint holds a random state per rank
-    states = {run: sorted(p.name for p in (tmp_path / run).rglob("rng-rank*.pt")) for run in ("here", "ranks")}
+    states = {run: sorted(p.name for p in root.rglob("rng-rank*.pt")) for run, root in
+              (("here", tmp_path / "here"), ("ranks", ranks_root))}
     assert states == {"here": ["rng-rank0.pt"], "ranks": ["rng-rank0.pt", "rng-rank1.pt"]}
 
 
-def test_a_stage_two_ranks_checkpointed_resumes_on_two_ranks_only(tmp_path, data):
-    ranks_ctx, _ = context(tmp_path / "ranks", data, max_steps=4, micro_batch_size=4, save_every=2)
-    run_in_child("sft", ranks_ctx, threads=1, ranks=2)
-    ctx, _ = context(tmp_path / "one", data, max_steps=6, micro_batch_size=4, save_every=2)
-    ctx.checkpoint_dir = ranks_ctx.checkpoint_dir
+def test_a_stage_two_ranks_checkpointed_resumes_on_two_ranks_only(tmp_path, data, two_ranks):
+    ranks_root = two_ranks[0]  # its last checkpoint (step 4) was saved by two processes
+    ctx, _ = context(tmp_path / "one", data, **{**TWO_RANKS, "max_steps": 6})
+    ctx.checkpoint_dir = ranks_root / "checkpoints"
     with pytest.raises(CheckpointError, match=r"saved by 2 processes and this run has 1: resume it on 2 "
                                               r"\(alignflow run --nproc 2\)"):
         run_sft(ctx)

@@ -1,4 +1,5 @@
-"""`alignflow plugins`, `validate` and `--version`, run as a user runs them."""
+"""`alignflow plugins`, `validate` and `--version`, run as a user runs them: `--version` through the installed
+script, the rest through the script's own function (flows/cli.py `main`) in this process."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from alignflow.flows import cli
 
 ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
 
@@ -24,9 +27,25 @@ stages:
 """
 
 
-def alignflow(*args):
-    env = {k: v for k, v in os.environ.items() if k != "ALIGNFLOW_PLUGINS"}
-    return subprocess.run([ALIGNFLOW, *args], capture_output=True, text=True, env=env)
+@pytest.fixture
+def alignflow(monkeypatch, capsys):
+    """`alignflow ARGS` -> its exit code, stdout and stderr, as `main` gives them to the script. In this
+    process: a subprocess spent about 4 s of CPU importing torch and the plugins for each command."""
+    monkeypatch.delenv("ALIGNFLOW_PLUGINS", raising=False)
+    monkeypatch.setattr(cli, "configure_logging", lambda: None)  # its handler would keep capsys's stream
+    before = set(os.environ)
+
+    def run(*args):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["alignflow", *args], code, out.out, out.err)
+
+    yield run
+    for var in set(os.environ) - before:  # the defaults `main` sets for the processes it starts
+        del os.environ[var]
 
 
 @pytest.fixture
@@ -39,11 +58,11 @@ def pipeline(tmp_path):
 
 
 def test_version():
-    out = alignflow("--version")
+    out = subprocess.run([ALIGNFLOW, "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("alignflow 0.")
 
 
-def test_plugins_json_lists_every_builtin_with_exact_keys():
+def test_plugins_json_lists_every_builtin_with_exact_keys(alignflow):
     out = alignflow("plugins", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
@@ -64,7 +83,7 @@ def test_plugins_json_lists_every_builtin_with_exact_keys():
     assert ("sampler", "hf") in names
 
 
-def test_plugins_show_gives_each_config_field_with_type_default_and_description():
+def test_plugins_show_gives_each_config_field_with_type_default_and_description(alignflow):
     out = alignflow("plugins", "show", "grpo", "--json")
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
@@ -80,12 +99,12 @@ def test_plugins_show_gives_each_config_field_with_type_default_and_description(
     assert missing.returncode == 1 and "no plugin named 'grpoo'" in missing.stderr
 
 
-def test_run_refuses_a_bad_process_count_before_any_work(pipeline):
+def test_run_refuses_a_bad_process_count_before_any_work(pipeline, alignflow):
     done = alignflow("run", pipeline(PIPELINE), "--nproc", "0")
     assert done.returncode == 2 and "--nproc='0': expected a whole number of processes" in done.stderr
 
 
-def test_validate_prints_the_dag(pipeline, tmp_path, monkeypatch):
+def test_validate_prints_the_dag(pipeline, tmp_path, monkeypatch, alignflow):
     (tmp_path / "base").mkdir()
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
@@ -96,25 +115,25 @@ def test_validate_prints_the_dag(pipeline, tmp_path, monkeypatch):
     assert out.stdout.index("sft") < out.stdout.index("dpo") and "model <- stage:sft" in out.stdout
 
 
-def test_validate_cycle(pipeline):
+def test_validate_cycle(pipeline, alignflow):
     out = alignflow("validate", pipeline(PIPELINE.replace("model: ./base", 'model: "stage:dpo"')))
     assert out.returncode == 1
     assert "p.yaml: the stages form a cycle:" in out.stderr and "sft" in out.stderr and "dpo" in out.stderr
 
 
-def test_validate_dangling_reference(pipeline):
+def test_validate_dangling_reference(pipeline, alignflow):
     out = alignflow("validate", pipeline(PIPELINE.replace('"stage:sft"', '"stage:sfd"')))
     assert out.returncode == 1
     assert "stage 'dpo', inputs.model: refers to stage 'sfd', which does not exist" in out.stderr
 
 
-def test_validate_bad_config_field(pipeline):
+def test_validate_bad_config_field(pipeline, alignflow):
     out = alignflow("validate", pipeline(PIPELINE.replace("beta: 0.1", "beta: -3")))
     assert out.returncode == 1
     assert "stage 'dpo', algorithm.config.beta: Input should be greater than 0" in out.stderr
 
 
-def test_validate_unknown_algorithm_suggests(pipeline):
+def test_validate_unknown_algorithm_suggests(pipeline, alignflow):
     out = alignflow("validate", pipeline(PIPELINE.replace("name: dpo", "name: dpo2")))
     assert out.returncode == 1
     assert "unknown algorithm 'dpo2'; did you mean 'dpo'?" in out.stderr

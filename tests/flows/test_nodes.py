@@ -58,7 +58,7 @@ def _node(project: Path, rank: int, port: int) -> subprocess.Popen:
                "--node-rank", str(rank), "--rdzv-endpoint", f"127.0.0.1:{port}", "--artifacts", str(project / "shared")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", NPROC_ENV, NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV):
-        env.pop(var, None)  # node 0 starts its own temporary Prefect server and MLflow file, as a user's run does  # node 0 starts its own temporary server, as a user's run does
+        env.pop(var, None)  # node 0 starts its own temporary Prefect server and MLflow file, as a user's run does
     log = (project / f"node{rank}.log").open("w")  # a file, not a pipe that fills while nobody reads it
     return subprocess.Popen(command, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
 
