@@ -4,7 +4,8 @@ Layout: `<root>/step-00000020/{ds/…, rng-rank0.pt, …, COMPLETE.json}`. A che
 under `<root>/.tmp-step-00000020`, its marker (size and sha256 of every file) is written last and
 the folder is renamed into place, so a kill at any moment leaves either a complete checkpoint or
 none. On resume a checkpoint whose marker is missing or whose files do not match it is skipped
-with a warning and the previous good one is used; it is never loaded.
+with a warning and the previous good one is used; it is never loaded. A stage on an artifact store at
+a URL also uploads each checkpoint there (core/checkpoint_store.py).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every renamed-into-place checkpoint, oldest first."""
     if not root.is_dir():
         return []
@@ -133,16 +134,19 @@ def save(ds, root: Path, step: int, data_state: dict | None, keep: int = KEEP) -
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
-        for _, old in _step_dirs(root)[:-keep]:
+        for _, old in step_dirs(root)[:-keep]:
             shutil.rmtree(old)
         for stale in root.glob(".tmp-step-*"):
             shutil.rmtree(stale)
+        from alignflow.core.checkpoint_store import upload
+
+        upload(root, final)  # to the stage's artifact store when it is at a URL: resumable on another machine
     _barrier()
     return final
 
 
 def _find_local(root: Path, step: int | None) -> Path | None:
-    candidates = [(s, p) for s, p in reversed(_step_dirs(root)) if step is None or s == step]
+    candidates = [(s, p) for s, p in reversed(step_dirs(root)) if step is None or s == step]
     if step is not None and not candidates:
         raise CheckpointError(f"no checkpoint for step {step} under {root}")
     for s, path in candidates:

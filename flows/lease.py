@@ -32,6 +32,7 @@ LEASE_S = 120.0  # a dead run's lock is taken this long after its last heartbeat
 # One process-wide lock around every exclusive create: memory:// checks-then-creates, which is
 # atomic only if no other thread of the process creates at the same time.
 _create_lock = threading.Lock()
+_held: set["LeaseLock"] = set()  # this process's held locks, released by `release_held` on SIGINT/SIGTERM
 
 
 class LockLost(AlignflowError):
@@ -97,6 +98,7 @@ class LeaseLock:
         self._stop.clear()
         self._heartbeat = threading.Thread(target=self._renew, name=f"lease {self.name}", daemon=True)
         self._heartbeat.start()
+        _held.add(self)
 
     def check(self) -> None:
         """Raise LockLost unless this run still holds the lock (call before publishing)."""
@@ -110,6 +112,7 @@ class LeaseLock:
 
     def release(self) -> None:
         """Stop the heartbeat and delete this run's lock file, unless another run has taken it meanwhile."""
+        _held.discard(self)
         self._stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join()
@@ -186,3 +189,12 @@ class LeaseLock:
             self.fs.rm_file(self.path(number))
         except FileNotFoundError:
             pass
+
+
+def release_held() -> None:
+    """Release every lock this process holds (its run is being stopped: see flows/shutdown.py)."""
+    for held in list(_held):
+        try:
+            held.release()
+        except Exception as exc:  # the store unreachable: the lease lapses by itself
+            log.warning("%s: could not release the lock: %s", held.name, exc)

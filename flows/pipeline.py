@@ -22,8 +22,7 @@ from alignflow.core.spec import PipelineSpec, parse_spec
 from alignflow.flows import shutdown
 from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
-from alignflow.flows.execute import StageOutcome, execute_stage, requested_processes
-from alignflow.flows.nodes import requested_nodes
+from alignflow.flows.execute import StageOutcome, execute_stage, total_processes
 from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import StagePlan, plan_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
@@ -111,7 +110,7 @@ def start_tracking(session: Session) -> str:
     """Open the MLflow parent run with the spec and data.dvc as artifacts; returns its id."""
     tags = {"prefect.flow_run_id": str(flow_run.get_id()), "alignflow.pipeline": session.spec.name,
             "alignflow.data_version": str(data_version(session.project)),
-            NPROC_TAG: str(requested_processes() * requested_nodes().count), **git_state(session.project)}
+            NPROC_TAG: str(total_processes()), **git_state(session.project)}
     files = {"spec.yaml": session.spec_text}
     dvc_file = session.project / "data.dvc"
     if dvc_file.is_file():

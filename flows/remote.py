@@ -7,7 +7,9 @@ the same folder). The worker's flow run rebuilds the session from the pipeline's
 and runs `execute_stage` for that one stage: the manifest cache, the stage lock, checkpoints and
 resume, and the MLflow child run are the same code as in the pipeline's own process. A worker killed
 mid-stage (its machine gone) stops heartbeating: the pipeline sets its flow run Crashed and fails the
-stage by name; the stage's checkpoints stay, and the next run of the pipeline resumes from them.
+stage by name; the stage's checkpoints stay, and the next run of the pipeline resumes from them. A
+pipeline stopped by SIGINT/SIGTERM sets its stages' flow runs Cancelling (flows/shutdown.py): the worker
+SIGTERMs the flow run, whose stage unwinds (its lock released, its checkpoints kept, nothing published).
 """
 
 from __future__ import annotations
@@ -19,13 +21,21 @@ import threading
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from prefect import flow
+from prefect.exceptions import TerminationSignal
 from prefect.states import Completed, State
 
-from alignflow.flows.execute import StageFailed, StageOutcome, execute_stage, stage_count
-from alignflow.flows.pipeline import STATE_NAMES, Session, open_session
-from alignflow.flows.plan import StagePlan
+from alignflow.flows import shutdown
 
+if TYPE_CHECKING:
+    from alignflow.flows.execute import StageOutcome
+    from alignflow.flows.pipeline import Session
+    from alignflow.flows.plan import StagePlan
+
+# The stage machinery (torch and all) is imported in the functions that run stages: a worker loads this
+# module without them to run a cancelled flow run's hooks, so a cancelled stage is Cancelled 15 s sooner.
 log = logging.getLogger(__name__)
 
 STAGE_FLOW = "alignflow-stage"
@@ -34,12 +44,13 @@ POOL_TIMEOUT_ENV = "ALIGNFLOW_POOL_TIMEOUT"
 DEFAULT_POOL_TIMEOUT_S = 600
 POLL_S = 1.0
 NODE_VARS = ("ALIGNFLOW_NNODES", "ALIGNFLOW_NODE_RANK", "ALIGNFLOW_RDZV_ENDPOINT")  # `run --nnodes` etc.
-STATUS_OF_STATE = {"Completed": "ran", **{v: k for k, v in STATE_NAMES.items()}}
 _deploy_lock = threading.Lock()
 
 
 def pool_timeout() -> int:
     """Seconds a stage waits for a worker of its pool: $ALIGNFLOW_POOL_TIMEOUT, else 600."""
+    from alignflow.flows.execute import stage_count
+
     value = os.environ.get(POOL_TIMEOUT_ENV)
     return DEFAULT_POOL_TIMEOUT_S if value is None else stage_count(value, POOL_TIMEOUT_ENV, "seconds")
 
@@ -48,6 +59,9 @@ def pool_timeout() -> int:
 def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, artifacts: str,
                mlflow_parent: str | None = None) -> State:
     """Run one stage of a pipeline on this worker; `spec` is the pipeline's resolved spec text."""
+    from alignflow.flows.execute import StageFailed, execute_stage
+    from alignflow.flows.pipeline import STATE_NAMES, open_session
+
     with tempfile.TemporaryDirectory(prefix="alignflow-stage-") as tmp:
         path = Path(tmp) / Path(source).name  # errors name the pipeline's file, not a temp name
         path.write_text(spec)
@@ -59,7 +73,11 @@ def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, ar
                           "machine's (install the same versions; keep the project on a shared path)")
     upstream = {name: finished(session, name, stage) for name in sorted(set(plan.upstream.values()))}
     session.tracker.parent_id = mlflow_parent  # the stage's MLflow run nests under the pipeline's
-    outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins)
+    try:
+        outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins)
+    except TerminationSignal:  # cancelled: the worker's SIGTERM, raised here by Prefect; the lock is free
+        shutdown.close_open_runs()  # the stage's MLflow run, KILLED rather than left RUNNING
+        raise
     return Completed(name=STATE_NAMES.get(outcome.status, "Completed"),
                      message=f"stage {stage!r} {outcome.status} in {outcome.seconds:.1f} s")
 
@@ -67,6 +85,8 @@ def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, ar
 def finished(session: Session, name: str, reader: str | None = None, status: str = "cached",
              seconds: float = 0.0) -> StageOutcome:
     """Stage `name`'s outcome from its manifest in the artifact store; `reader`: the stage that needs it."""
+    from alignflow.flows.execute import StageFailed, StageOutcome
+
     plan = session.plans[name]
     manifest = session.store.manifest(name, plan.digest)
     if manifest is None:
@@ -98,6 +118,9 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
+    from alignflow.flows.execute import StageFailed
+    from alignflow.flows.pipeline import STATE_NAMES
+
     deployment = deploy_stage_flow(pool)
     # What the worker needs to plan the same digest and log where the pipeline logs: the run's
     # ALIGNFLOW_* settings (--nproc and the like) and the MLflow store. Not where this run's nodes meet:
@@ -113,15 +136,20 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
         job_variables={"env": env},
     )
     log.info("stage %r: flow run %s (%s) on work pool %r", plan.name, run.name, run.id, pool)
-    with get_client(sync_client=True) as client:
-        run = wait_for_run(client, run, pool, plan.name, pool_timeout())
+    # A stopped pipeline cancels it (flows/shutdown.py): its worker kills it, its checkpoints stay
+    shutdown.sent_to_pool(run.id, f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id})")
+    try:
+        with get_client(sync_client=True) as client:
+            run = wait_for_run(client, run, pool, plan.name, pool_timeout())
+    finally:
+        shutdown.back_from_pool(run.id)
     state = run.state
     if not state.is_completed():
         failed = StageFailed(f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id}) "
                              f"{state.name}: {state.message or 'no message'}")
         failed.seconds = run.total_run_time.total_seconds()
         raise failed
-    status = STATUS_OF_STATE.get(state.name, "ran")
+    status = {v: k for k, v in STATE_NAMES.items()}.get(state.name, "ran")  # Cached, Resumed; else ran
     outcome = finished(session, plan.name, status=status, seconds=run.total_run_time.total_seconds())
     if status != "cached":  # the runner's own time, as for a stage run here
         manifest = session.store.manifest(plan.name, plan.digest)
@@ -134,6 +162,8 @@ def wait_for_run(client, run, pool: str, stage: str, timeout: float):
     the stage fails naming the pool; once a worker has it, it may run as long as it needs, as long as
     that worker lives: a run whose worker stops heartbeating (see `WorkerWatch`) is set Crashed."""
     from prefect.states import Cancelled
+
+    from alignflow.flows.execute import StageFailed
 
     started = time.monotonic()
     watch = WorkerWatch(pool)

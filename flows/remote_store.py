@@ -3,11 +3,13 @@
 The store keeps the local layout, `<url>/<stage>/<digest>/` with `out/`, `curves.json` and
 `manifest.json`. A stage runs in a local cache folder, `$ALIGNFLOW_CACHE` (else `~/.cache/alignflow`)
 then `artifacts/<protocol>/<path>/<stage>/<digest>/` (one per root: two roots never share a `work/`):
-runners get local paths, and its checkpoints stay there, so a run interrupted on this machine resumes
-on it. When it finishes it publishes: `out/` and `curves.json` first, then the manifest, written to a
-temporary name and moved into place, so a reader that finds the manifest finds every output. A finished
-artifact a stage reads is downloaded once into the cache and reused. The stage lock is a `LeaseLock`
-(flows/lease.py).
+runners get local paths. Each checkpoint is uploaded as it is written, to `checkpoints/` beside `out/`
+(core/checkpoint_store.py), and a stage that starts on a machine without a checkpoint as new as the
+store's downloads the newest: a stage killed on one machine resumes on another. When it finishes it
+publishes: `out/` and `curves.json` first, then the manifest, written to a temporary name and moved
+into place, so a reader that finds the manifest finds every output; then the store's checkpoints are
+deleted. A finished artifact a stage reads is downloaded once into the cache and reused. The stage lock
+is a `LeaseLock` (flows/lease.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+from alignflow.core import checkpoint_store
 from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.flows.artifacts import CURVES, MANIFEST, ArtifactStore, write_json_atomic
 from alignflow.flows.lease import LEASE_S, LeaseLock
@@ -173,6 +176,19 @@ class RemoteArtifactStore(ArtifactStore):
             (folder / FETCHED).touch()
             log.info("%s/%s: downloaded from %s", stage, digest, self.url)
 
+    def fresh_work_dir(self, stage: str, digest: str) -> Path:
+        """An empty `work/`, and the store's newest checkpoint when this cache has none as new (a stage
+        killed on another machine resumes here); `checkpoint.save` uploads this stage's checkpoints."""
+        work = super().fresh_work_dir(stage, digest)
+        folder = self.folder(stage, digest)
+        write_json_atomic(folder / checkpoint_store.STORE_FILE,
+                          {"url": self.fs.unstrip_protocol(self.remote(stage, digest)), "folders": self.folders})
+        step = checkpoint_store.fetch_newest(self.fs, self.remote(stage, digest, "checkpoints"),
+                                             self.checkpoint_dir(stage, digest))
+        if step is not None:
+            log.info("%s/%s: resuming from step %d of the checkpoint in %s", stage, digest, step, self.url)
+        return work
+
     def finalise(self, stage: str, digest: str, outputs: dict[str, Path], manifest: dict,
                  curves: dict[str, list]) -> dict:
         """Move `work/` to `out/` here, publish out/, curves and then the manifest; drop the checkpoints last."""
@@ -184,6 +200,12 @@ class RemoteArtifactStore(ArtifactStore):
         self.publish(stage, digest, manifest)
         # Only now: a failed upload leaves the checkpoints, and the rerun resumes from the last one.
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+        try:  # a finished stage is never resumed: the store's copies only cost space
+            self.fs.rm(self.remote(stage, digest, "checkpoints"), recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:
+            log.warning("%s/%s: could not delete its checkpoints in %s: %s", stage, digest, self.url, exc)
         write_json_atomic(folder / MANIFEST, manifest)
         (folder / FETCHED).touch()
         return manifest

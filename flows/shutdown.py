@@ -1,9 +1,12 @@
 """How a run ends when it is stopped: nothing left running, nothing left RUNNING.
 
 - SIGINT / SIGTERM (`install_handlers`): the run's child processes (ranks, stage children, engines)
-  get SIGTERM, then SIGKILL after a grace period; the MLflow runs it opened are closed KILLED; its
-  Prefect flow run and running task runs are set Crashed; Prefect's temporary server is stopped; the
-  process exits 128 + the signal. Checkpoints are written atomically, so the rerun resumes.
+  get SIGTERM, then SIGKILL after a grace period; the flow runs of its stages on work pools are set
+  Cancelling, so their workers stop them (Prefect's own cancellation: the worker SIGTERMs the flow
+  run's process group, then SIGKILLs it after 30 s, and sets it Cancelled), and each is reported once
+  Cancelled or after `CANCEL_WAIT_S`; the MLflow runs it opened are closed KILLED; its Prefect flow
+  run and running task runs are set Crashed; Prefect's temporary server is stopped; the process exits
+  128 + the signal. Checkpoints are written atomically, so the rerun resumes.
 - SIGKILL, which no handler sees (`start_watchdog`): a small process watches the run's process tree
   and, when the run is gone, stops what it left (Prefect's temporary server, ranks).
 - A run that died either way leaves its MLflow runs RUNNING; the next run in the project closes
@@ -25,7 +28,13 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0
+# How long a stopped run waits for its stages' flow runs on work pools to reach Cancelled. The worker
+# SIGTERMs the flow run's process group, checks every 3 s that it is gone (SIGKILL after 30 s), runs the
+# flow's cancellation hooks in a fresh process, then sets Cancelled: seconds for a stage that stops on
+# SIGTERM, over 30 s for one that does not. A second Ctrl-C ends the wait at once.
+CANCEL_WAIT_S = 60.0
 _open_runs: dict[str, object] = {}  # MLflow run id -> the client that opened it
+_pool_runs: dict[str, str] = {}  # flow run id -> "stage 'x' on work pool 'y': flow run NAME": sent stages
 _flow_run_id: list[str] = []
 _installed: list[bool] = []
 _watchdog: list[int] = []  # set by the CLI; a library caller keeps its own signal handling
@@ -61,6 +70,62 @@ def running_flow(flow_run_id: str) -> None:
     _flow_run_id[:] = [flow_run_id]
     if _installed:
         install_handlers()
+
+
+def sent_to_pool(flow_run_id, label: str) -> None:
+    """A stage's flow run on a work pool (flows/remote.py): cancelled if this run is stopped."""
+    _pool_runs[str(flow_run_id)] = label
+
+
+def back_from_pool(flow_run_id) -> None:
+    _pool_runs.pop(str(flow_run_id), None)
+
+
+def cancel_pool_runs(message: str) -> dict[str, str]:
+    """Set the stages' flow runs on work pools Cancelling (as `prefect flow-run cancel` does): the
+    worker running one kills its process; one no worker took yet the server sets Cancelled at once.
+    Returns {id: label} of the runs asked."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    asked = {}
+    with get_client(sync_client=True) as client:
+        for flow_run_id, label in list(_pool_runs.items()):
+            try:
+                client.set_flow_run_state(UUID(flow_run_id), Cancelling(message=message))
+                asked[flow_run_id] = label
+            except Exception as exc:
+                log.warning("could not cancel %s: %s", label, exc)
+    return asked
+
+
+def await_cancelled(asked: dict[str, str], wait_s: float = CANCEL_WAIT_S, poll_s: float = 0.5) -> dict[str, str]:
+    """Wait up to `wait_s` for the flow runs `cancel_pool_runs` asked to reach a final state; writes
+    one line per run to stderr and returns {id: its state's name, "still ..." when not final}."""
+    from uuid import UUID
+
+    from prefect import get_client
+
+    states: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            for flow_run_id in asked:
+                try:
+                    state = client.read_flow_run(UUID(flow_run_id)).state
+                except Exception as exc:
+                    state, states[flow_run_id] = None, f"unreadable ({exc})"
+                if state is not None:
+                    states[flow_run_id] = state.name if state.is_final() else f"still {state.name}"
+            if not any(s.startswith("still") for s in states.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(poll_s)
+    for flow_run_id, name in states.items():
+        tail = f" after {wait_s:.0f} s: its worker kills it" if name.startswith("still") else ""
+        sys.stderr.write(f"{asked[flow_run_id]}: {name}{tail}\n")
+    return states
 
 
 def descendants(pid: int) -> list[int]:
@@ -120,18 +185,38 @@ def mark_crashed(flow_run_id: str, message: str) -> None:
         client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
 
 
-def _stop(signum: int, frame) -> None:
-    name = signal.Signals(signum).name
-    signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
-    sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
-    spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
-    stop_processes([p for p in descendants(os.getpid()) if p not in spared])
+def close_open_runs() -> None:
+    """Close the MLflow runs this process opened and has not closed: KILLED, tagged killed."""
     for run_id, client in list(_open_runs.items()):
         try:
             client.set_tag(run_id, "alignflow.status", "killed")
             client.set_terminated(run_id, "KILLED")
+            closed(run_id)
         except Exception as exc:  # the store may be locked by a thread that was mid-write
             log.warning("could not close MLflow run %s: %s", run_id, exc)
+
+
+def _stop(signum: int, frame) -> None:
+    name = signal.Signals(signum).name
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
+    sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
+    cancelling = {}
+    if _pool_runs:  # first, so the workers stop their stages while this process stops its own
+        try:
+            cancelling = cancel_pool_runs(f"the pipeline was stopped by {name}")
+        except Exception as exc:
+            log.warning("could not cancel the stages on work pools: %s", exc)
+    spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
+    stop_processes([p for p in descendants(os.getpid()) if p not in spared])
+    from alignflow.flows.lease import release_held
+
+    release_held()  # its stages' locks on a URL store, once their processes are gone: free now, not in a lease
+    close_open_runs()
+    if cancelling:
+        try:
+            await_cancelled(cancelling)
+        except Exception as exc:
+            log.warning("could not follow the cancelled stages: %s", exc)
     for flow_run_id in _flow_run_id:
         try:
             mark_crashed(flow_run_id, f"stopped by {name}")

@@ -1,15 +1,19 @@
 """Stages on Prefect work pools, end to end on a real Prefect server with two process work pools: the
 select stage runs on pool `cpu`, the sft stage on pool `train`, each taken by real `prefect worker start`
 processes. A train worker killed mid-stage with its flow run (a machine gone) leaves checkpoints and
-stops heartbeating; the pipeline sets its flow run Crashed and fails the stage by name; the next run, on
-a new worker, resumes the stage to the weights of an uninterrupted run in the pipeline's own process;
-a rerun is all cached; a pool without a worker fails its stage after the timeout."""
+stops heartbeating; the pipeline sets its flow run Crashed and fails the stage by name. The next run,
+`alignflow run` on a new worker, is stopped by SIGINT mid-stage: it cancels the stage's flow run, whose
+process the worker stops, and reports it Cancelled. The run after that, on the same worker, resumes the
+stage to the weights of an uninterrupted run in the pipeline's own process; a rerun is all cached; a
+pool without a worker fails its stage after the timeout. The three runs and the workers are set up once
+for the module (`runs`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,12 +30,14 @@ from safetensors.torch import load_file
 
 from alignflow.core.task import write_datasets
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.shutdown import descendants, stop_processes
+from alignflow.flows.shutdown import CANCEL_WAIT_S, descendants, process_start, stop_processes
 from alignflow.flows.tracking import tracking_uri
 
 HEARTBEAT_S = 2  # workers heartbeat each 2 s (Prefect's default: 30), so a dead one is told in ~8 s
 
-# sft saves every 2 of its 8 steps, so a kill after its first checkpoint lands mid-stage.
+# sft saves every 2 of its 10 steps: the worker is killed after the first checkpoint, the pipeline stopped
+# after the next one, each with steps to spare so that neither lands after the stage finished.
+STEPS = 10
 PIPELINE = """
 name: pools
 seed: 0
@@ -45,7 +51,7 @@ stages:
     kind: sft
     inputs: {model: "builtin:tiny", dataset: "stage:data"}
     algorithm: sft
-    settings: {lr: 2.0e-3, max_steps: 8, batch_size: 8, micro_batch_size: 8, max_length: 96,
+    settings: {lr: 2.0e-3, max_steps: 10, batch_size: 8, micro_batch_size: 8, max_length: 96,
                save_every: 2, log_every: 2}
 """
 
@@ -112,25 +118,57 @@ def cpu_worker(project):
         yield proc
 
 
+def checkpoints(artifacts: Path) -> list[Path]:
+    """sft's complete checkpoints, oldest first."""
+    return sorted(p.parent for p in artifacts.glob("sft/*/checkpoints/step-*/COMPLETE.json"))
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
 def kill_at_first_checkpoint(worker_proc, artifacts: Path, killed: dict) -> None:
     """SIGKILL the worker and its flow run (a machine gone) once sft has a checkpoint; nothing else: the
     pipeline must itself tell that the worker is gone and fail the stage."""
     deadline = time.monotonic() + 600
-    while not (found := sorted(artifacts.glob("sft/*/checkpoints/step-*/COMPLETE.json"))):
+    while not (found := checkpoints(artifacts)):
         if time.monotonic() > deadline:
             return
         time.sleep(0.05)
     for pid in descendants(worker_proc.pid) + [worker_proc.pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    killed["checkpoint"] = found[0].parent
-    killed["finished"] = (found[0].parents[2] / "manifest.json").exists()
+    killed["checkpoint"] = found[0]
+    killed["finished"] = (found[0].parents[1] / "manifest.json").exists()
     killed["at"] = time.monotonic()
+
+
+def interrupt_after(step: int, worker_proc, project: Path) -> dict:
+    """`alignflow run pipeline.yaml`, sent SIGINT (Ctrl-C) once sft, running on the worker, has a checkpoint
+    past `step`. Returns its exit code, output, the checkpoint, and whether the flow run's processes
+    were gone when it exited."""
+    log = project / "interrupted.log"
+    with log.open("w") as out:
+        run = subprocess.Popen([str(Path(sys.executable).with_name("alignflow")), "run", "pipeline.yaml"],
+                               cwd=project, env=env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (newer := [c for c in checkpoints(project / "artifacts") if step_of(c) > step]):
+        assert run.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    flow_run = {pid: process_start(pid) for pid in descendants(worker_proc.pid)}  # `python -m prefect.engine`
+    sent = time.monotonic()
+    run.send_signal(signal.SIGINT)
+    code = run.wait(120)
+    return {"code": code, "seconds": time.monotonic() - sent, "log": log.read_text(), "checkpoint": newer[0],
+            "flow_run": flow_run, "gone": all(process_start(p) != start for p, start in flow_run.items()),
+            "finished": (newer[0].parents[1] / "manifest.json").exists(),  # once it was Cancelled
+            "newest": checkpoints(project / "artifacts")[-1]}
 
 
 @pytest.fixture(scope="module")
 def runs(project, cpu_worker):
-    """The pipeline with its train worker killed mid-stage, then again on a new train worker."""
+    """The pipeline with its train worker killed mid-stage; then `alignflow run` on a new train worker,
+    stopped by SIGINT mid-stage; then again on that worker, to the end."""
     killed = {}
     with worker("train", project / "worker-1.log") as proc:
         watcher = threading.Thread(target=kill_at_first_checkpoint,
@@ -139,15 +177,17 @@ def runs(project, cpu_worker):
         first = run_pipeline(project / "pipeline.yaml", [], project)
         killed["noticed_s"] = time.monotonic() - killed.get("at", float("nan"))
         watcher.join()
-    with worker("train", project / "worker-2.log"):
-        second = run_pipeline(project / "pipeline.yaml", [], project)
+    with worker("train", project / "worker-2.log") as proc:
+        stopped = interrupt_after(step_of(killed["checkpoint"]), proc, project)
+        stopped["worker_alive"] = proc.poll() is None
+        last = run_pipeline(project / "pipeline.yaml", [], project)
     print(f"killed run: {first.seconds:.1f} s (failed {killed['noticed_s']:.1f} s after the kill), "
-          f"resumed run: {second.seconds:.1f} s inside the flow")
-    return first, second, killed
+          f"stopped run: Cancelled {stopped['seconds']:.1f} s after SIGINT, resumed run: {last.seconds:.1f} s")
+    return first, last, killed, stopped
 
 
 def test_a_dead_worker_crashes_its_flow_run_and_fails_its_stage_by_name(runs):
-    first, _, killed = runs
+    first, _, killed, _ = runs
     assert statuses(first) == {"data": "ran", "sft": "failed"}
     error = stage(first, "sft").error
     assert error.startswith("stage 'sft' on work pool 'train': flow run pools.sft"), error
@@ -155,16 +195,29 @@ def test_a_dead_worker_crashes_its_flow_run_and_fails_its_stage_by_name(runs):
     assert f"(it beats every {HEARTBEAT_S} s): its machine or process is gone" in error
     # told after 3 missed beats (x 1.3 jitter: 7.8 s) and a poll, not at once, not never
     assert 3 * HEARTBEAT_S < killed["noticed_s"] < 60, killed["noticed_s"]
-    checkpoint = killed["checkpoint"]
-    assert int(checkpoint.name.removeprefix("step-")) < 8  # mid-stage
+    assert step_of(killed["checkpoint"]) < STEPS  # mid-stage
     assert not killed["finished"]
 
 
+def test_stopping_the_pipeline_cancels_its_stage_on_the_worker(runs):
+    *_, stopped = runs
+    assert stopped["code"] == 128 + signal.SIGINT, stopped["log"][-3000:]
+    # Cancelled through Prefect (the worker stopped the flow run's process), reported, and not given up on
+    assert re.search(r"stage 'sft' on work pool 'train': flow run pools\.sft \([0-9a-f-]{36}\): Cancelled\n",
+                     stopped["log"]), stopped["log"][-3000:]
+    assert stopped["seconds"] < CANCEL_WAIT_S
+    assert stopped["flow_run"] and stopped["gone"]  # the flow run's process, gone by the time it was reported
+    assert stopped["worker_alive"]  # the worker lives on, and runs the next run's stage
+    # stopped mid-stage: its checkpoints kept, nothing published
+    assert step_of(stopped["newest"]) < STEPS and not stopped["finished"]
+
+
 def test_the_next_run_resumes_the_stage_on_a_new_worker(runs, project):
-    _, second, _ = runs
+    _, second, _, stopped = runs
     assert statuses(second) == {"data": "cached", "sft": "resumed"}, [s.error for s in second.stages]
-    assert stage(second, "sft").metrics["steps"] == 8.0
+    assert stage(second, "sft").metrics["steps"] == float(STEPS)
     assert [(r.name, r.state.name) for r in stage_runs("train")] == [("pools.sft", "Crashed"),
+                                                                     ("pools.sft", "Cancelled"),
                                                                      ("pools.sft", "Resumed")]
     # both pools ran stages: the data stage on `cpu` once, cached the second time (never sent again)
     assert [(r.name, r.state.name) for r in stage_runs("cpu")] == [("pools.data", "Completed")]
@@ -177,19 +230,23 @@ def test_the_next_run_resumes_the_stage_on_a_new_worker(runs, project):
     assert run.data.tags["mlflow.parentRunId"] == second.mlflow_run_id
     assert run.data.tags["alignflow.status"] == "resumed"
     assert run.data.tags["alignflow.pid"] != str(os.getpid())
-    assert run.data.metrics["steps"] == 8.0
+    assert run.data.metrics["steps"] == float(STEPS)
+    # the cancelled flow run's stage run was closed by its process as it stopped, not left RUNNING
+    cancelled = MlflowClient(tracking_uri(project)).search_runs(
+        [run.info.experiment_id], filter_string="tags.`alignflow.stage` = 'sft' and attributes.status = 'KILLED'")
+    assert [r.data.tags["alignflow.status"] for r in cancelled] == ["killed"]
 
 
 def test_a_rerun_is_all_cached_without_a_worker(runs, project):
-    _, second, _ = runs
+    _, second, _, _ = runs
     again = run_pipeline(project / "pipeline.yaml", [], project)
     assert statuses(again) == {"data": "cached", "sft": "cached"}
     assert [s.artifact for s in again.stages] == [s.artifact for s in second.stages]
-    assert len(stage_runs("train")) == 2 and len(stage_runs("cpu")) == 1  # a finished stage is never sent
+    assert len(stage_runs("train")) == 3 and len(stage_runs("cpu")) == 1  # a finished stage is never sent
 
 
 def test_the_stage_run_here_lands_on_the_same_digest_and_weights(runs, project, tmp_path):
-    _, second, _ = runs
+    _, second, _, _ = runs
     here = run_pipeline(project / "here.yaml", [], project, tmp_path / "artifacts")
     assert statuses(here) == {"data": "ran", "sft": "ran"}
     # where a stage runs is not part of its digest; resumed on a worker = trained here, uninterrupted
