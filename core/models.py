@@ -127,7 +127,27 @@ def with_lora(model, lora, base_name: str, seed: int = 0):
     except ValueError as exc:  # e.g. target_modules matching no module
         raise AlignflowError(f"settings.lora.target_modules={lora.target_modules!r}: {exc}") from None
     peft_model.peft_config["default"].base_model_name_or_path = str(base_name)
+    if (tied := tied_adapter(peft_model)) is not None:
+        raise AlignflowError(f"settings.lora.target_modules={lora.target_modules!r}: adapters on {tied!r} adapt the "
+                             "matrix the model ties between its input embeddings and output head "
+                             "(tie_word_embeddings): one matrix in a checkpoint cannot hold the two; leave "
+                             f"{tied.rsplit('.', 1)[-1]!r} out")
     return peft_model
+
+
+def tied_adapter(model) -> str | None:
+    """The name of a LoRA layer on a matrix the model ties between input embeddings and output head, or None.
+    Such adapters change one use of the matrix and not the other: no merged checkpoint holds that policy."""
+    from peft.tuners.lora import LoraLayer
+
+    base = getattr(model, "module", model).get_base_model()
+    if not getattr(base.config, "tie_word_embeddings", False):
+        return None
+    tied = {base.get_input_embeddings(), base.get_output_embeddings()}
+    for name, layer in base.named_modules():
+        if isinstance(layer, LoraLayer) and (layer in tied or layer.get_base_layer() in tied):
+            return name
+    return None
 
 
 def has_adapters(model) -> bool:

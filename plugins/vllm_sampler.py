@@ -24,7 +24,7 @@ from pydantic import Field
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.errors import AlignflowError
 from alignflow.core.models import (base_state_dict, has_adapters, is_adapter_dir, load_model, merged_state_dict,
-                                   save_adapters)
+                                   save_adapters, tied_adapter)
 from alignflow.core.sampling import Generation
 from alignflow.core.settings import GenerationSettings
 
@@ -312,18 +312,11 @@ def _check_untied(model) -> None:
     """Adapters on a matrix the model ties between its input embeddings and its output head reach vLLM by
     neither sync: its LoRA serving refuses both modules, and a tied checkpoint holds one matrix for the two, while
     the policy adapts only one of them (its merged weights would sample another policy)."""
-    from peft.tuners.lora import LoraLayer
-
-    base = getattr(model, "module", model).get_base_model()
-    if not getattr(base.config, "tie_word_embeddings", False):
-        return
-    tied = {base.get_input_embeddings(), base.get_output_embeddings()}
-    for name, layer in base.named_modules():
-        if isinstance(layer, LoraLayer) and (layer in tied or layer.get_base_layer() in tied):
-            raise AlignflowError(f"sampler vllm: the policy's LoRA adapters on {name!r} adapt the matrix its model "
-                                 "ties between input embeddings and output head (tie_word_embeddings), which vLLM "
-                                 "can neither serve adapters on nor take merged: leave "
-                                 f"{name.rsplit('.', 1)[-1]!r} out of settings.lora.target_modules")
+    if (name := tied_adapter(model)) is not None:
+        raise AlignflowError(f"sampler vllm: the policy's LoRA adapters on {name!r} adapt the matrix its model "
+                             "ties between input embeddings and output head (tie_word_embeddings), which vLLM "
+                             "can neither serve adapters on nor take merged: leave "
+                             f"{name.rsplit('.', 1)[-1]!r} out of settings.lora.target_modules")
 
 
 def _gathered(model, only: str = ""):

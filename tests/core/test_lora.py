@@ -163,3 +163,11 @@ def test_the_hf_sampler_generates_with_the_adapters(base_dir):
             theirs = token_logprobs(base, full, torch.ones_like(full), scored)[0, len(prompt):]
         torch.testing.assert_close(torch.tensor(lp), mine, rtol=0, atol=1e-4)
         assert (mine - theirs).abs().max() > 1e-3
+
+
+def test_adapters_on_a_tied_head_or_embedding_are_refused_by_name(base_dir):
+    """builtin:tiny ties its output head to its embeddings: adapters on one would change one use of the shared
+    matrix and not the other, a policy no checkpoint (merged or vLLM's) holds."""
+    for target in ("lm_head", "embed_tokens"):
+        with pytest.raises(AlignflowError, match=f"target_modules=.*{target}.*tie_word_embeddings.*leave '{target}'"):
+            adapted(base_dir, target_modules=["q_proj", target])

@@ -141,6 +141,15 @@ def lora_policy(model, seed: int, **lora):
     return with_lora(copy.deepcopy(model), LoraSettings(**{"r": 8, **lora}), "builtin:tiny", seed=seed).eval()
 
 
+def unchecked_lora_policy(model, seed: int, target_modules: list[str]):
+    """Adapters put on by peft itself, past with_lora's refusal of tied targets: as a policy built elsewhere."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=8, lora_alpha=8, target_modules=target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(copy.deepcopy(model), config).eval()
+
+
 def step(peft, seed: int) -> None:
     """A stand-in for an optimizer step: every A and B moves by 0.3 N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -209,7 +218,7 @@ def test_refused_adapters_are_named_and_the_served_ones_stay(served, policy):
     prompts, greedy = [tok.encode("12+3=")], GenerationSettings(max_new_tokens=6, temperature=0.0)
     before, served_id = sampler.generate(prompts, 1, greedy, 0), sampler.lora.lora_int_id
     with pytest.raises(AlignflowError, match="lm_head.*lora_sync: merged"):
-        sampler.update_weights(lora_policy(policy[0], seed=1, target_modules=["lm_head"]))
+        sampler.update_weights(unchecked_lora_policy(policy[0], seed=1, target_modules=["lm_head"]))
     assert sampler.lora.lora_int_id == served_id and set(sampler.llm.llm_engine.list_loras()) == {served_id}
     assert sampler.generate(prompts, 1, greedy, 0).completion_ids == before.completion_ids
 
@@ -219,7 +228,7 @@ def test_adapters_on_tied_embeddings_are_refused_before_the_engine_starts(policy
     under the merged sync too, so they are an error naming the module."""
     for target in ("lm_head", "embed_tokens"):
         with pytest.raises(AlignflowError, match=f"{target}.*tie_word_embeddings"):
-            VLLMSampler().load(lora_policy(policy[0], seed=1, target_modules=["q_proj", target]), policy[1])
+            VLLMSampler().load(unchecked_lora_policy(policy[0], 1, ["q_proj", target]), policy[1])
 
 
 def test_auto_falls_back_to_merged_weights_for_adapters_vllm_refuses(tmp_path, caplog):
