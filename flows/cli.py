@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from alignflow.core.errors import AlignflowError
+from alignflow.core.errors import AlignflowError, SpecError
 
 console = Console()
 err_console = Console(stderr=True)
@@ -178,10 +178,38 @@ def _nodes(args):
     return nodes
 
 
+def _from_deepspeed_launcher(args) -> bool:
+    """Under DeepSpeed's launcher (`deepspeed [--hostfile H] $(which alignflow) run ...`): the place it gave
+    this process as --nnodes/--node-rank/--nproc/--rdzv-endpoint, its variables removed (each stage's ranks
+    get theirs from torch's elastic launcher). False for a process that is not its host's local rank 0: that
+    host's ranks are started by local rank 0, one set per stage, so it exits."""
+    from alignflow.flows.nodes import LAUNCHER_VARS, launched_by_deepspeed
+
+    launched = launched_by_deepspeed()
+    if launched is None:
+        return True
+    given = [f for f, v in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
+                            ("--rdzv-endpoint", args.rdzv_endpoint)) if v is not None]
+    if given:
+        raise SpecError(f"{', '.join(given)}: started by DeepSpeed's launcher, which sets the processes and nodes "
+                        "itself (--num_gpus, --hostfile): leave these out")
+    if launched.local_rank != 0:
+        console.print(f"DeepSpeed launcher: local rank {launched.local_rank} exits; local rank 0 of this host "
+                      f"starts its {launched.nproc} ranks for each stage")
+        return False
+    args.nproc, args.nnodes, args.node_rank = launched.nproc, str(launched.nodes), str(launched.node)
+    args.rdzv_endpoint = launched.endpoint if launched.nodes > 1 else None
+    for var in LAUNCHER_VARS:
+        os.environ.pop(var, None)
+    return True
+
+
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
     from alignflow.flows.preflight import check_pipeline
 
+    if not _from_deepspeed_launcher(args):
+        return 0
     nodes = _nodes(args)
     # before Prefect or a model starts
     check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True, early=_show_early)
@@ -259,6 +287,7 @@ def cmd_deploy(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignflow", description=__doc__)
     parser.add_argument("--version", action="version", version=f"alignflow {md.version('alignflow')}")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # DeepSpeed's launcher adds it
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plugins", help=cmd_plugins.__doc__)

@@ -99,6 +99,41 @@ def requested_nodes() -> Nodes:
     return parse_nodes(os.environ.get(NNODES_ENV), os.environ.get(NODE_RANK_ENV), os.environ.get(RDZV_ENDPOINT_ENV))
 
 
+# What DeepSpeed's launcher (`deepspeed`, deepspeed.launcher.launch) sets in each process it starts: the host's
+# place among the hosts (CROSS_RANK of CROSS_SIZE), its processes (LOCAL_SIZE), the process's LOCAL_RANK, and
+# MASTER_ADDR:MASTER_PORT, where its process group would meet.
+DEEPSPEED_LAUNCHER = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = (*DEEPSPEED_LAUNCHER, "RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A process DeepSpeed's launcher started: one of `nproc` on host `node` of `nodes`, local rank `local_rank`.
+
+    alignflow starts a stage's ranks itself, one rendezvous per stage, so a launcher's processes map onto
+    nodes: local rank 0 of each host is that host's `alignflow run --nnodes nodes --node-rank node --nproc
+    nproc --rdzv-endpoint endpoint`, and the host's other processes have nothing to do and exit.
+    """
+
+    nodes: int
+    node: int
+    nproc: int
+    local_rank: int
+    endpoint: str
+
+
+def launched_by_deepspeed(environ=os.environ) -> Launched | None:
+    """The place DeepSpeed's launcher gave this process, or None when it did not start it."""
+    if not all(var in environ for var in DEEPSPEED_LAUNCHER):
+        return None
+    values = {var: environ[var] for var in DEEPSPEED_LAUNCHER}
+    bad = [f"{k}={v!r}" for k, v in values.items() if k not in ("MASTER_ADDR", "MASTER_PORT") and not v.isdigit()]
+    if bad:
+        raise SpecError(f"started by DeepSpeed's launcher, but {', '.join(bad)}: expected whole numbers")
+    return Launched(int(values["CROSS_SIZE"]), int(values["CROSS_RANK"]), int(values["LOCAL_SIZE"]),
+                    int(values["LOCAL_RANK"]), f"{values['MASTER_ADDR']}:{values['MASTER_PORT']}")
+
+
 def rendezvous_id(ctx) -> str:
     """A stage's rendezvous run id, the same on every node: its name and digest (the name of its
     artifact folder, `<root>/<stage>/<digest>/`, whatever path the shared root is mounted at)."""

@@ -3,6 +3,7 @@ as one run of `--nproc 2` does, and a rank killed on one node stops the other wi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +18,10 @@ from safetensors.torch import load_file
 from alignflow.core.engine import free_port
 from alignflow.core.errors import SpecError
 from alignflow.core.task import write_datasets
+from alignflow.flows import cli
 from alignflow.flows.cli import build_parser, cmd_run
 from alignflow.flows.execute import NPROC_ENV
-from alignflow.flows.nodes import NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV, Nodes, parse_nodes
+from alignflow.flows.nodes import LAUNCHER_VARS, NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV, Nodes, parse_nodes
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import descendants
 
@@ -97,11 +99,19 @@ def two_nodes(project):
     return {f"node{rank}": (n.returncode, (project / f"node{rank}.log").read_text()) for rank, n in zip((1, 0), nodes)}
 
 
-def test_two_nodes_of_one_rank_train_as_one_run_of_two_ranks(project, two_nodes, monkeypatch):
-    # the same stage run here with --nproc 2 (one node of two ranks) into another artifacts folder
-    monkeypatch.setenv(NPROC_ENV, "2")
-    report = run_pipeline(project / "one.yaml", [], project, project / "one-node")
-    reference = Path(next(s for s in report.stages if s.name == "sft").artifact)
+@pytest.fixture(scope="module")
+def reference(project) -> Path:
+    """The sft stage run here with --nproc 2 (one node of two ranks) into its own artifacts folder."""
+    before = os.environ.get(NPROC_ENV)
+    os.environ[NPROC_ENV] = "2"
+    try:
+        report = run_pipeline(project / "one.yaml", [], project, project / "one-node")
+    finally:
+        os.environ.pop(NPROC_ENV) if before is None else os.environ.__setitem__(NPROC_ENV, before)
+    return Path(next(s for s in report.stages if s.name == "sft").artifact)
+
+
+def test_two_nodes_of_one_rank_train_as_one_run_of_two_ranks(project, two_nodes, reference):
     shared = list((project / "shared" / "sft").iterdir())
     shared = [p for p in shared if (p / "manifest.json").is_file()]
     assert [p.name for p in shared] == [reference.name]  # one digest, however the ranks are split over nodes
@@ -143,3 +153,45 @@ def test_nodes_from_the_environment():
     assert parse_nodes(None, None, None) == Nodes()
     with pytest.raises(SpecError, match=r"ALIGNFLOW_NODE_RANK=1: must be below ALIGNFLOW_NNODES=1"):
         parse_nodes("1", "1", None)
+
+
+def test_deepspeeds_launcher_starts_a_run_of_its_processes(project, reference):
+    """`deepspeed --num_gpus 2 alignflow run ...`: local rank 0 runs the pipeline with --nproc 2, local rank 1
+    exits; the stage trains on two ranks (the run's alignflow.nproc tag) to the --nproc 2 run's weights."""
+    script = Path(sys.executable).parent / "alignflow"
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+               str(free_port()), str(script), "run", "one.yaml", "--json", "--artifacts", str(project / "deepspeed")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", NPROC_ENV, NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV):
+        env.pop(var, None)
+    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert "DeepSpeed launcher: local rank 1 exits" in " ".join(output.split())
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith('{"run_id"')))
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(result["mlflow_run_id"]).data.tags
+    assert tags["alignflow.nproc"] == "2"
+    artifact = project / "deepspeed" / "sft" / reference.name  # the same digest
+    a, b = (load_file(p / "out" / "model" / "model.safetensors") for p in (reference, artifact))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6, rtol=0) for k in a)
+
+
+def test_deepspeeds_launcher_variables_map_onto_nodes(monkeypatch):
+    """Host 1 of 2, four processes each, as `deepspeed --hostfile` starts them on the second host."""
+    env = {"CROSS_RANK": "1", "CROSS_SIZE": "2", "LOCAL_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "29500", "RANK": "4", "WORLD_SIZE": "8"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    args = build_parser().parse_args(["--local_rank=0", "run", "x.yaml"])
+    assert cli._from_deepspeed_launcher(args)
+    assert (args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint) == (4, "2", "1", "10.0.0.1:29500")
+    assert not any(var in os.environ for var in LAUNCHER_VARS)  # the stages' ranks get theirs from torch
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert not cli._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml"]))  # it exits
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SpecError, match="--nproc: started by DeepSpeed's launcher"):
+        cli._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml", "--nproc", "2"]))
