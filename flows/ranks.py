@@ -89,7 +89,10 @@ class _Gather:
             except queue_mod.Empty:
                 if ended.is_set():
                     return  # every rank has exited, so all it sent was in the pipe
-                if self.board is not None and not self.stopped and self._remote():
+                # another node's failure stops these ranks only when it is a cause, not a rank that merely
+                # lost its peers: that may be a peer of a rank here that died, which this node's launcher
+                # reports itself (and names) a moment later
+                if self.board is not None and not self.stopped and self._remote(causes_only=True):
                     self.stop_ranks()
                     self.stopped = True
                 if self.board is not None and not self.pids and run_ended(self.board):
