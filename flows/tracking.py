@@ -1,17 +1,20 @@
 """MLflow records: one parent run per pipeline run, one nested run per stage.
 
 Everything goes through an explicit `MlflowClient` (no fluent active-run state), so stage tasks
-running in threads log to their own runs safely.
+running in threads log to their own runs safely. Its calls run on a thread of their own
+(`SignalSafeClient`), so that a signal never stops a store write half-way.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import re
 import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,48 @@ def git_state(project: Path) -> dict[str, str]:
         return {}
 
 
+class SignalSafeClient:
+    """An `MlflowClient` whose calls run one at a time on a daemon thread of its own; the caller waits.
+
+    Signal handlers run in the main thread: Ctrl-C, or the SIGTERM with which a Prefect worker cancels a
+    flow run (raised there as `TerminationSignal`). One that lands inside a SQLite store's write can
+    leave that write's connection checked out with its transaction open: the store's write lock stays
+    held, and closing the run as KILLED then fails after the 20 s busy timeout (the run is left RUNNING).
+    Here the handler interrupts only the wait: the write finishes on its thread, and the next call
+    (closing the run) runs after it. The queue and the wait are safe to re-enter from a handler.
+    """
+
+    def __init__(self, client):
+        self._client = client
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._jobs,), name="mlflow-client", daemon=True).start()
+        weakref.finalize(self, self._jobs.put, None)  # the thread ends with its client
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            answer: queue.SimpleQueue = queue.SimpleQueue()
+            self._jobs.put((attr, args, kwargs, answer))
+            ok, value = answer.get()
+            if not ok:
+                raise value
+            return value
+
+        return call
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        method, args, kwargs, answer = job
+        try:
+            answer.put((True, method(*args, **kwargs)))
+        except BaseException as exc:  # handed to the caller, raised there
+            answer.put((False, exc))
+
+
 class Tracker:
     """The MLflow side of one pipeline run."""
 
@@ -69,7 +114,7 @@ class Tracker:
         from mlflow.tracking import MlflowClient
 
         self.uri = tracking_uri(project)
-        self.client = MlflowClient(self.uri)
+        self.client = SignalSafeClient(MlflowClient(self.uri))
         found = self.client.get_experiment_by_name(experiment)
         if found is not None:
             self.experiment_id = found.experiment_id
