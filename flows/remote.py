@@ -122,6 +122,7 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
     from alignflow.flows.pipeline import STATE_NAMES
 
     deployment = deploy_stage_flow(pool)
+    shutdown.sending_to_pool()  # a stop from here on finds the flow run by its tag and cancels it
     # What the worker needs to plan the same digest and log where the pipeline logs: the run's
     # ALIGNFLOW_* settings (--nproc and the like) and the MLflow store. Not where this run's nodes meet:
     # a stage on a pool runs its ranks on the worker's machine.
@@ -132,17 +133,13 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
         parameters={"spec": session.spec_text, "source": flow_run.parameters.get("pipeline", "pipeline.yaml"),
                     "stage": plan.name, "digest": plan.digest, "project": str(session.project),
                     "artifacts": session.store.location, "mlflow_parent": session.tracker.parent_id},
-        tags=[f"alignflow.pipeline:{session.spec.name}", f"alignflow.pipeline_run:{flow_run.get_id()}"],
+        tags=[f"alignflow.pipeline:{session.spec.name}", shutdown.pipeline_run_tag(flow_run.get_id())],
         job_variables={"env": env},
     )
     log.info("stage %r: flow run %s (%s) on work pool %r", plan.name, run.name, run.id, pool)
     # A stopped pipeline cancels it (flows/shutdown.py): its worker kills it, its checkpoints stay
-    shutdown.sent_to_pool(run.id, f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id})")
-    try:
-        with get_client(sync_client=True) as client:
-            run = wait_for_run(client, run, pool, plan.name, pool_timeout())
-    finally:
-        shutdown.back_from_pool(run.id)
+    with get_client(sync_client=True) as client:
+        run = wait_for_run(client, run, pool, plan.name, pool_timeout())
     state = run.state
     if not state.is_completed():
         failed = StageFailed(f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id}) "

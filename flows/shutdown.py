@@ -1,8 +1,8 @@
 """How a run ends when it is stopped: nothing left running, nothing left RUNNING.
 
 - SIGINT / SIGTERM (`install_handlers`): the run's child processes (ranks, stage children, engines)
-  get SIGTERM, then SIGKILL after a grace period; the flow runs of its stages on work pools are set
-  Cancelling, so their workers stop them (Prefect's own cancellation: the worker SIGTERMs the flow
+  get SIGTERM, then SIGKILL after a grace period; the unfinished flow runs of its stages on work pools
+  (found by their `pipeline_run_tag`) are set Cancelling, so their workers stop them (Prefect's own cancellation: the worker SIGTERMs the flow
   run's process group, then SIGKILLs it after 30 s, and sets it Cancelled), and each is reported once
   Cancelled or after `CANCEL_WAIT_S`; the MLflow runs it opened are closed KILLED; its Prefect flow
   run and running task runs are set Crashed; Prefect's temporary server is stopped; the process exits
@@ -34,7 +34,8 @@ GRACE_S = 5.0
 # SIGTERM, over 30 s for one that does not. A second Ctrl-C ends the wait at once.
 CANCEL_WAIT_S = 60.0
 _open_runs: dict[str, object] = {}  # MLflow run id -> the client that opened it
-_pool_runs: dict[str, str] = {}  # flow run id -> "stage 'x' on work pool 'y': flow run NAME": sent stages
+_pools: list[bool] = []  # set before this run first sends a stage to a work pool
+_stopping: list[bool] = []  # set as a stop begins: no stage is sent after it
 _flow_run_id: list[str] = []
 _installed: list[bool] = []
 _watchdog: list[int] = []  # set by the CLI; a library caller keeps its own signal handling
@@ -72,30 +73,49 @@ def running_flow(flow_run_id: str) -> None:
         install_handlers()
 
 
-def sent_to_pool(flow_run_id, label: str) -> None:
-    """A stage's flow run on a work pool (flows/remote.py): cancelled if this run is stopped."""
-    _pool_runs[str(flow_run_id)] = label
+def pipeline_run_tag(flow_run_id) -> str:
+    """The tag on each flow run a pipeline run sends to a work pool: how a stop finds them all."""
+    return f"alignflow.pipeline_run:{flow_run_id}"
 
 
-def back_from_pool(flow_run_id) -> None:
-    _pool_runs.pop(str(flow_run_id), None)
+def pool_label(stage: str, pool: str | None, name: str, flow_run_id) -> str:
+    return f"stage {stage!r} on work pool {pool!r}: flow run {name} ({flow_run_id})"
 
 
-def cancel_pool_runs(message: str) -> dict[str, str]:
-    """Set the stages' flow runs on work pools Cancelling (as `prefect flow-run cancel` does): the
-    worker running one kills its process; one no worker took yet the server sets Cancelled at once.
-    Returns {id: label} of the runs asked."""
-    from uuid import UUID
+def sending_to_pool() -> None:
+    """Called before a stage's flow run is created on a work pool (flows/remote.py): a stop then looks
+    for this run's flow runs; refused once a stop has begun, so none is created after it looked."""
+    if _stopping:
+        raise RuntimeError("the pipeline is stopping: no more stages are sent to work pools")
+    _pools[:] = [True]
 
+
+def cancel_pool_runs(message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Set this run's unfinished flow runs on work pools Cancelling (as `prefect flow-run cancel` does):
+    the worker running one kills its process; one no worker took yet the server sets Cancelled at once.
+    They are found by their tag, so a flow run whose creation was under way as the stop began is found
+    too (by a second call, after the first ones are waited for). Returns {id: label} of the runs asked."""
     from prefect import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                FlowRunFilterTags)
+    from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
 
+    if not _flow_run_id:
+        return {}
+    final = [StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED]
     asked = {}
     with get_client(sync_client=True) as client:
-        for flow_run_id, label in list(_pool_runs.items()):
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[pipeline_run_tag(_flow_run_id[0])]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final))))
+        for run in runs:
+            if str(run.id) in skip:
+                continue
+            label = pool_label(run.parameters.get("stage", "?"), run.work_pool_name, run.name, run.id)
             try:
-                client.set_flow_run_state(UUID(flow_run_id), Cancelling(message=message))
-                asked[flow_run_id] = label
+                client.set_flow_run_state(run.id, Cancelling(message=message))
+                asked[str(run.id)] = label
             except Exception as exc:
                 log.warning("could not cancel %s: %s", label, exc)
     return asked
@@ -200,12 +220,10 @@ def _stop(signum: int, frame) -> None:
     name = signal.Signals(signum).name
     signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
     sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
+    _stopping[:] = [True]
     cancelling = {}
-    if _pool_runs:  # first, so the workers stop their stages while this process stops its own
-        try:
-            cancelling = cancel_pool_runs(f"the pipeline was stopped by {name}")
-        except Exception as exc:
-            log.warning("could not cancel the stages on work pools: %s", exc)
+    if _pools:  # first, so the workers stop their stages while this process stops its own
+        cancelling = _cancel_and_wait(f"the pipeline was stopped by {name}", wait=False)
     spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
     stop_processes([p for p in descendants(os.getpid()) if p not in spared])
     from alignflow.flows.lease import release_held
@@ -217,6 +235,8 @@ def _stop(signum: int, frame) -> None:
             await_cancelled(cancelling)
         except Exception as exc:
             log.warning("could not follow the cancelled stages: %s", exc)
+    if _pools:  # one whose creation was under way as the stop began exists by now
+        _cancel_and_wait(f"the pipeline was stopped by {name}", skip=frozenset(cancelling))
     for flow_run_id in _flow_run_id:
         try:
             mark_crashed(flow_run_id, f"stopped by {name}")
@@ -226,6 +246,17 @@ def _stop(signum: int, frame) -> None:
         server.stop()
     sys.stderr.flush()
     os._exit(128 + signum)
+
+
+def _cancel_and_wait(message: str, skip: frozenset[str] = frozenset(), wait: bool = True) -> dict[str, str]:
+    try:
+        asked = cancel_pool_runs(message, skip)
+        if asked and wait:
+            await_cancelled(asked)
+        return asked
+    except Exception as exc:
+        log.warning("could not cancel the stages on work pools: %s", exc)
+        return {}
 
 
 def install_handlers() -> dict | None:
