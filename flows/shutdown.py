@@ -2,8 +2,9 @@
 
 - SIGINT / SIGTERM (`install_handlers`): the run's child processes (ranks, stage children, engines)
   get SIGTERM, then SIGKILL after a grace period; the unfinished flow runs of its stages on work pools
-  (found by their `pipeline_run_tag`) are set Cancelling, so their workers stop them (Prefect's own cancellation: the worker SIGTERMs the flow
-  run's process group, then SIGKILLs it after 30 s, and sets it Cancelled), and each is reported once
+  (found by their `pipeline_run_tag`) are set Cancelling, so their workers stop them (Prefect's own
+  cancellation: the worker SIGTERMs the flow run's process group, then SIGKILLs it after 30 s, and sets
+  it Cancelled), and each is reported once
   Cancelled or after `CANCEL_WAIT_S`; the MLflow runs it opened are closed KILLED; its Prefect flow
   run and running task runs are set Crashed; Prefect's temporary server is stopped; the process exits
   128 + the signal. Checkpoints are written atomically, so the rerun resumes.
