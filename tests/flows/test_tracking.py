@@ -39,10 +39,9 @@ def test_a_signal_inside_store_writes_never_keeps_the_run_from_closing(tmp_path,
     rng = random.Random(0)
     for attempt in range(60):
         run = tracker.stage_run(f"s{attempt}", {}, {})
-        timer = threading.Timer(rng.uniform(0.0, 0.03), signal_raises)
-        timer.start()
         step = 0
-        with pytest.raises(Terminated):
+        with pytest.raises(Terminated):  # the timer may fire before start() returns on a busy machine
+            threading.Timer(rng.uniform(0.0, 0.03), signal_raises).start()
             while step < 10_000:  # the signal comes within 0.03 s; the bound turns a lost one into a failure
                 run.log_metrics({"loss": 1.0 / (step + 1)}, step)
                 step += 1
