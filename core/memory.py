@@ -137,7 +137,7 @@ def count_parameters(source: str | Path, value_head: bool = False, trust_remote_
     with torch.device("meta"):  # shapes only: no storage, no initialisation
         model = auto.from_config(config, trust_remote_code=trust_remote_code)
         if lora is not None:
-            from alignflow.core.models import with_lora
+            from alignflow.core.adapters import with_lora
 
             model = with_lora(model, lora, str(source))
 
@@ -156,7 +156,7 @@ def model_config(source: str | Path, trust_remote_code: bool = False):
         return builtin_config(source[len(BUILTIN):])
     from transformers import AutoConfig
 
-    from alignflow.core.models import ADAPTER_CONFIG, is_adapter_dir
+    from alignflow.core.adapters import ADAPTER_CONFIG, is_adapter_dir
 
     if is_adapter_dir(source):  # a LoRA stage's output: its base's architecture
         import json

@@ -142,7 +142,7 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
         run = wait_for_run(client, run, pool, plan.name, pool_timeout())
     state = run.state
     if not state.is_completed():
-        failed = StageFailed(f"stage {plan.name!r} on work pool {pool!r}: flow run {run.name} ({run.id}) "
+        failed = StageFailed(f"{shutdown.pool_label(plan.name, pool, run.name, run.id)} "
                              f"{state.name}: {state.message or 'no message'}")
         failed.seconds = run.total_run_time.total_seconds()
         raise failed

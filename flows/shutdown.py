@@ -4,10 +4,10 @@
   get SIGTERM, then SIGKILL after a grace period; the unfinished flow runs of its stages on work pools
   (found by their `pipeline_run_tag`) are set Cancelling, so their workers stop them (Prefect's own
   cancellation: the worker SIGTERMs the flow run's process group, then SIGKILLs it after 30 s, and sets
-  it Cancelled), and each is reported once
-  Cancelled or after `CANCEL_WAIT_S`; the MLflow runs it opened are closed KILLED; its Prefect flow
-  run and running task runs are set Crashed; Prefect's temporary server is stopped; the process exits
-  128 + the signal. Checkpoints are written atomically, so the rerun resumes.
+  it Cancelled), and each is reported once Cancelled or after `CANCEL_WAIT_S`; the MLflow runs it opened
+  are closed KILLED; its Prefect flow run and running task runs are set Crashed; Prefect's temporary
+  server is stopped; the process exits 128 + the signal. Checkpoints are written atomically, so the
+  rerun resumes.
 - SIGKILL, which no handler sees (`start_watchdog`): a small process watches the run's process tree
   and, when the run is gone, stops what it left (Prefect's temporary server, ranks).
 - A run that died either way leaves its MLflow runs RUNNING; the next run in the project closes
@@ -222,22 +222,16 @@ def _stop(signum: int, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
     sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
     _stopping[:] = [True]
-    cancelling = {}
-    if _pools:  # first, so the workers stop their stages while this process stops its own
-        cancelling = _cancel_and_wait(f"the pipeline was stopped by {name}", wait=False)
+    message = f"the pipeline was stopped by {name}"
+    cancelling = _cancel(message)  # first, so the workers stop their stages while this process stops its own
     spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
     stop_processes([p for p in descendants(os.getpid()) if p not in spared])
     from alignflow.flows.lease import release_held
 
     release_held()  # its stages' locks on a URL store, once their processes are gone: free now, not in a lease
     close_open_runs()
-    if cancelling:
-        try:
-            await_cancelled(cancelling)
-        except Exception as exc:
-            log.warning("could not follow the cancelled stages: %s", exc)
-    if _pools:  # one whose creation was under way as the stop began exists by now
-        _cancel_and_wait(f"the pipeline was stopped by {name}", skip=frozenset(cancelling))
+    _await(cancelling)
+    _await(_cancel(message, skip=frozenset(cancelling)))  # one whose creation was under way as the stop began
     for flow_run_id in _flow_run_id:
         try:
             mark_crashed(flow_run_id, f"stopped by {name}")
@@ -249,15 +243,21 @@ def _stop(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
-def _cancel_and_wait(message: str, skip: frozenset[str] = frozenset(), wait: bool = True) -> dict[str, str]:
+def _cancel(message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """`cancel_pool_runs` where this run sent stages to work pools; a failure is logged, not raised."""
     try:
-        asked = cancel_pool_runs(message, skip)
-        if asked and wait:
-            await_cancelled(asked)
-        return asked
+        return cancel_pool_runs(message, skip) if _pools else {}
     except Exception as exc:
         log.warning("could not cancel the stages on work pools: %s", exc)
         return {}
+
+
+def _await(asked: dict[str, str]) -> None:
+    try:
+        if asked:
+            await_cancelled(asked)
+    except Exception as exc:
+        log.warning("could not follow the cancelled stages: %s", exc)
 
 
 def install_handlers() -> dict | None:

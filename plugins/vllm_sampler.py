@@ -23,8 +23,9 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.models import (base_state_dict, has_adapters, is_adapter_dir, load_model, merged_state_dict,
-                                   save_adapters, tied_adapter)
+from alignflow.core.adapters import (base_state_dict, has_adapters, is_adapter_dir, merged_state_dict,
+                                     save_adapters, tied_adapter)
+from alignflow.core.models import load_model
 from alignflow.core.sampling import Generation
 from alignflow.core.settings import GenerationSettings
 

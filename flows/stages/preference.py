@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from alignflow.core.data import IGNORE_INDEX, collate, truncate
 from alignflow.core.engine import Engine, frozen
-from alignflow.core.models import AdaptersOff, token_logprobs
+from alignflow.core.adapters import AdaptersOff
+from alignflow.core.models import token_logprobs
 from alignflow.core.preference import NllScope, SequenceLogps, TokenLogps, build_batch, mismatched_pairs
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model

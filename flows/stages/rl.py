@@ -22,7 +22,8 @@ import torch
 from alignflow.core.data import load_rows
 from alignflow.core.engine import Engine, frozen
 from alignflow.core.errors import SpecError
-from alignflow.core.models import AdaptersOff, token_logprobs
+from alignflow.core.adapters import AdaptersOff
+from alignflow.core.models import token_logprobs
 from alignflow.core.progress import progress
 from alignflow.core.rl import cost_reward_problem
 from alignflow.core.rewards import RewardSet

@@ -11,8 +11,8 @@ from typing import Iterator
 import torch
 
 from alignflow.core.errors import SpecError
-from alignflow.core.models import (ValueModel, build_tiny, has_adapters, load_model, load_tokenizer,
-                                   load_value_model, with_lora)
+from alignflow.core.adapters import has_adapters, with_lora
+from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
 from alignflow.core.spec import PluginRef, validate_config
 from alignflow.flows.stages import StageContext
 

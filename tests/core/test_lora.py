@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from alignflow.core.errors import AlignflowError
-from alignflow.core.models import (AdaptersOff, build_tiny, has_adapters, is_adapter_dir, load_model,
-                                   merged_state_dict, token_logprobs, with_lora)
+from alignflow.core.adapters import AdaptersOff, has_adapters, is_adapter_dir, merged_state_dict, with_lora
+from alignflow.core.models import build_tiny, load_model, token_logprobs
 from alignflow.core.settings import LoraSettings, PolicySettings, TrainSettings
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignflow.core.models import (base_state_dict, build_tiny, is_adapter_dir, load_model, merged_state_dict,
-                                   save_adapters, token_logprobs, with_lora)
+from alignflow.core.adapters import base_state_dict, is_adapter_dir, merged_state_dict, save_adapters, with_lora
+from alignflow.core.models import build_tiny, load_model, token_logprobs
 from alignflow.core.settings import LoraSettings
 
 

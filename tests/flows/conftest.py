@@ -1,4 +1,5 @@
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,11 @@ def write_project(root: Path) -> Path:
 @pytest.fixture(scope="session")
 def make_project():
     return write_project
+
+
+@pytest.fixture(params=["memory", "file"])
+def url(request, tmp_path) -> str:
+    """A fresh store: `memory://` (one process) or a `file://` URL (a shared filesystem, other processes)."""
+    if request.param == "memory":
+        return f"memory://alignflow-test/{uuid.uuid4().hex[:8]}"
+    return (tmp_path / "shared").as_uri()

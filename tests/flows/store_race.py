@@ -1,5 +1,6 @@
-"""Children for tests/flows/test_artifact_store.py: spawned processes import this module, not the test's
-(which imports Prefect and torch), so each starts in a second instead of twenty."""
+"""Helpers and children for tests/flows/test_artifact_store.py and test_checkpoint_store.py: spawned
+processes import this module, not the tests (which import Prefect and torch), so each starts in a second
+instead of twenty."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from alignflow.core.task import write_datasets
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import Tracker
+from reports import statuses
 
 
 # data -> sft_a -> sft_b, and sft_c, a sibling of sft_a. sft_a saves every 5 of its 20 steps, so a
@@ -57,10 +58,6 @@ DESCENDANTS = """
     settings: {lr: 1.0e-3, max_steps: 10, batch_size: 8, micro_batch_size: 8, max_length: 96, save_every: 5}
 """
 HEAD = "name: sft-e2e\nseed: 0\nstages:"
-
-
-def statuses(report) -> dict[str, str]:
-    return {s.name: s.status for s in report.stages}
 
 
 def stage(report, name: str):

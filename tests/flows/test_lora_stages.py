@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 import alignflow.flows.stages.preference as preference
 import alignflow.flows.stages.rl as rl
 from alignflow.core import hookimpl
-from alignflow.core.models import AdaptersOff, build_tiny, load_model, load_tokenizer
+from alignflow.core.adapters import AdaptersOff
+from alignflow.core.models import build_tiny, load_model, load_tokenizer
 from alignflow.core.plugins import get_plugins
 from alignflow.core.settings import PolicySettings, RLSettings
 from alignflow.core.spec import StageSpec

@@ -9,10 +9,7 @@ from alignflow.core.plugins import get_plugins
 from alignflow.flows.cli import main
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.tracking import tracking_uri
-
-
-def statuses(report) -> dict[str, str]:
-    return {s.name: s.status for s in report.stages}
+from reports import statuses
 
 
 @pytest.fixture(scope="module")

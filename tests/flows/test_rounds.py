@@ -17,6 +17,7 @@ from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.plan import plan_pipeline
 from alignflow.flows.reproduce import reproduce
 from alignflow.flows.tracking import tracking_uri
+from reports import statuses
 
 ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
 
@@ -63,10 +64,6 @@ stages:
 ROUND_3 = ["prompts", "draw.r1", "train.r1", "draw.r2", "train.r2", "draw.r3", "train.r3", "last"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def statuses(report) -> dict[str, str]:
-    return {s.name: s.status for s in report.stages}
 
 
 def manifest(report, name: str) -> dict:

@@ -32,6 +32,7 @@ from alignflow.core.task import write_datasets
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import CANCEL_WAIT_S, descendants, process_start, stop_processes
 from alignflow.flows.tracking import tracking_uri
+from reports import statuses
 
 HEARTBEAT_S = 2  # workers heartbeat each 2 s (Prefect's default: 30), so a dead one is told in ~8 s
 
@@ -54,10 +55,6 @@ stages:
     settings: {lr: 2.0e-3, max_steps: 10, batch_size: 8, micro_batch_size: 8, max_length: 96,
                save_every: 2, log_every: 2}
 """
-
-
-def statuses(report) -> dict[str, str]:
-    return {s.name: s.status for s in report.stages}
 
 
 def stage(report, name: str):
