@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -23,15 +22,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from alignflow.core.checkpoint_dirs import MARKER, step_dirs
+from alignflow.core.checkpoint_store import upload
 from alignflow.core.errors import AlignflowError
 from alignflow.core.ranks import rank_and_world
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE.json"
 TAG = "ds"  # DeepSpeed's sub-folder inside a checkpoint
 KEEP = 2
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class CheckpointError(AlignflowError):
@@ -100,14 +99,6 @@ def verify(folder: Path) -> str | None:
     return None
 
 
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every renamed-into-place checkpoint, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
-    return sorted(found)
-
-
 def _rank() -> int:
     return rank_and_world()[0]
 
@@ -138,8 +129,6 @@ def save(ds, root: Path, step: int, data_state: dict | None, keep: int = KEEP) -
             shutil.rmtree(old)
         for stale in root.glob(".tmp-step-*"):
             shutil.rmtree(stale)
-        from alignflow.core.checkpoint_store import upload
-
         upload(root, final)  # to the stage's artifact store when it is at a URL: resumable on another machine
     _barrier()
     return final

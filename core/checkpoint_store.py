@@ -22,7 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
-from alignflow.core.checkpoint import MARKER, step_dirs
+from alignflow.core.checkpoint_dirs import MARKER, step_dirs
 
 log = logging.getLogger(__name__)
 
