@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import inspect
 import io
 import json
@@ -123,6 +124,8 @@ SETTINGS_MODELS = ("TrainSettings", "PolicySettings", "RLSettings", "PRMSettings
 
 
 def _cell(text: str, code: bool = False) -> str:
+    if code and "|" in text:  # a pipe escaped inside backticks keeps its backslash in Python-Markdown
+        return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
     text = text.replace("|", "\\|")
     return f"`{text}`" if code and text else text
 

@@ -42,3 +42,20 @@ def test_every_page_with_code_is_found():
                      "docs/guides/plugins/samplers.md", "docs/guides/plugins/selectors.md"):
         assert expected in pages, expected
     assert sum(block.startswith(NO_RUN) for _, block in (p.values for p in BLOCKS)) <= 3
+
+
+def pipeline_blocks():
+    for page in PAGES:
+        for i, block in enumerate(re.findall(r"^```yaml\n(name: .*?)^```$", page.read_text(), re.S | re.M)):
+            yield pytest.param(page, block, id=f"{page.relative_to(ROOT)}:yaml{i}")
+
+
+@pytest.mark.parametrize("page, block", list(pipeline_blocks()))
+def test_pipeline_example_validates(page, block):
+    """A whole pipeline shown in the docs parses, with its plugins and settings checked."""
+    import yaml
+
+    from alignflow.core.spec import parse_spec
+
+    spec = parse_spec(yaml.safe_load(block), f"{page}:yaml")
+    assert spec.order()

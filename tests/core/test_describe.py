@@ -32,3 +32,10 @@ def test_model_table_lists_type_bounds_default_and_description():
     assert rows[2] == "| `beta` | `float (> 0)` | `0.1` | the KL coefficient |"
     assert rows[3] == '| `names` | `list[str]` | `["a"]` | what to \\| match |'
     assert plugin_fields_table(lambda prompts, completions: []) == "No config fields."
+
+
+def test_a_type_with_a_pipe_stays_code_in_a_table():
+    class Config(PluginConfig):
+        alpha: float | None = None
+
+    assert model_table(Config).splitlines()[2] == "| `alpha` | <code>float &#124; None</code> | `null` |  |"
