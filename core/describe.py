@@ -6,6 +6,7 @@ import html
 import inspect
 import io
 import json
+import re
 import shutil
 import tokenize
 from typing import Any
@@ -62,6 +63,7 @@ def line_comments(cls) -> dict[str, str]:
 def _type(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
     text = name if name and not getattr(annotation, "__args__", None) else str(annotation)
+    text = re.sub(r"\balignflow(?:\.\w+)+\.(\w+)", r"\1", text)  # StageSpec, not alignflow.core.spec.StageSpec
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
@@ -180,9 +182,10 @@ def _row(name: str, field, default: Any, comments: dict[str, str]) -> str:
     return f"| `{name}` | {_cell(kind, True)} | {_cell(default, True)} | {_cell(description)} |"
 
 
-def model_table(model) -> str:
-    """A Markdown table of a pydantic model's fields (its bases' included), as `settings_tables` writes them."""
-    comments = field_comments(model)
+def model_table(model, notes: dict[str, str] | None = None) -> str:
+    """A Markdown table of a pydantic model's fields (its bases' included), as `settings_tables` writes them;
+    `notes` describes fields that have neither a Field description nor a comment."""
+    comments = {**(notes or {}), **field_comments(model)}
     rows = []
     for name, field in model.model_fields.items():
         default = None if field.is_required() else \

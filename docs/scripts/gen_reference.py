@@ -49,6 +49,28 @@ def cli_page() -> str:
     return "\n".join(out) + "\n"
 
 
+# Descriptions of the spec fields whose source has none (a field that disappears fails the build).
+FIELD_NOTES = {
+    "PipelineSpec.name": "the pipeline's name; its final model is registered in MLflow under it",
+    "PipelineSpec.description": "one line for people; not part of any digest",
+    "PipelineSpec.seed": "the seed of every stage that sets none (loop round r: seed + r - 1)",
+    "PipelineSpec.stages": "stage name -> stage, or -> a loop (`repeat`, `first`, `stages`)",
+    "StageSpec.kind": "what the stage does ([stage kinds](stage-kinds.md))",
+    "StageSpec.inputs": "input name -> a local path, a hub id, `builtin:tiny`, or `stage:NAME` (another stage's output)",
+    "StageSpec.algorithm": "the training objective (training kinds)",
+    "StageSpec.rewards": "rewards, weighted and summed (RL, sampling, evaluation; a `select` stage's scores)",
+    "StageSpec.sampler": "what generates (stages that sample; default `hf`)",
+    "StageSpec.selectors": "row selectors applied in order (`select` stages)",
+    "StageSpec.settings": "validated by the kind's settings model ([settings](settings.md))",
+    "LoopSpec.repeat": "rounds to run; not part of any digest, so raising it runs only the new rounds",
+    "LoopSpec.first": "what round 1 reads for `stage:X@prev`: loop stage X -> `stage:NAME` outside the loop",
+    "LoopSpec.stages": "the stages of one round; `stage:X` is X of the same round, `stage:X@prev` of the previous",
+    "PluginRef.name": "a registered plugin's name (`alignflow plugins`)",
+    "PluginRef.config": "validated by the plugin's `Config`; `${inputs.NAME}` becomes the stage's input NAME",
+    "RewardRef.weight": "the reward's weight in the stage's total",
+}
+
+
 def pipeline_page() -> str:
     """The fields of a pipeline YAML, from the pydantic models that parse it."""
     from alignflow.core.describe import model_table
@@ -60,7 +82,13 @@ def pipeline_page() -> str:
            "plugin's `config` by the plugin's own `Config` ([plugins](plugins.md)).", ""]
     for title, model in (("The pipeline", PipelineSpec), ("A stage", StageSpec), ("A loop", LoopSpec),
                          ("A plugin reference", PluginRef), ("A reward reference", RewardRef)):
-        out += [f"## {title}: `{model.__name__}`", "", model_table(model), ""]
+        owners = [cls.__name__ for cls in reversed(model.__mro__)]  # a base's note serves a subclass
+        notes = {k.split(".", 1)[1]: v for k, v in FIELD_NOTES.items() if k.split(".", 1)[0] in owners}
+        stale = {k for k in FIELD_NOTES if k.startswith(model.__name__ + ".")} - \
+            {f"{model.__name__}.{name}" for name in model.model_fields}
+        if stale:
+            raise SystemExit(f"docs/scripts/gen_reference.py FIELD_NOTES: {model.__name__} has no field {stale}")
+        out += [f"## {title}: `{model.__name__}`", "", model_table(model, notes), ""]
     out += ["A plugin reference may be a bare name (`algorithm: grpo`) or `{name: grpo, config: {...}}`.", ""]
     return "\n".join(out)
 
