@@ -59,3 +59,15 @@ def test_pipeline_example_validates(page, block):
 
     spec = parse_spec(yaml.safe_load(block), f"{page}:yaml")
     assert spec.order()
+
+
+def test_readme_links_reach_the_guides_and_results():
+    """The README is the front door: its links resolve, and each plugin guide and the results are one click away."""
+    links = re.findall(r"\]\(([^)#]+)\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert all((ROOT / link).is_file() for link in local), [link for link in local if not (ROOT / link).is_file()]
+    for page in ("docs/results/index.md", "docs/getting-started.md", "docs/guides/plugins/algorithms.md",
+                 "docs/guides/plugins/rewards.md", "docs/guides/plugins/samplers.md",
+                 "docs/guides/plugins/selectors.md", "CONTRIBUTING.md"):
+        assert page in local, page
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
