@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import html
 import inspect
 import io
 import json
+import re
+import shutil
 import tokenize
 from typing import Any
 
@@ -60,6 +63,7 @@ def line_comments(cls) -> dict[str, str]:
 def _type(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
     text = name if name and not getattr(annotation, "__args__", None) else str(annotation)
+    text = re.sub(r"\balignflow(?:\.\w+)+\.(\w+)", r"\1", text)  # StageSpec, not alignflow.core.spec.StageSpec
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
@@ -122,6 +126,8 @@ SETTINGS_MODELS = ("TrainSettings", "PolicySettings", "RLSettings", "PRMSettings
 
 
 def _cell(text: str, code: bool = False) -> str:
+    if code and "|" in text:  # a pipe escaped inside backticks keeps its backslash in Python-Markdown
+        return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
     text = text.replace("|", "\\|")
     return f"`{text}`" if code and text else text
 
@@ -159,13 +165,49 @@ def settings_tables() -> str:
             about.append(f"Every `{base.__name__}` field, and these (new or redefined):")
         comments = line_comments(model)
         defaults = model().model_dump(mode="json")
-        rows = ["| field | type | default | description |", "|---|---|---|---|"]
-        for name in own:
-            field = model.model_fields[name]
-            bounds = _bounds(field)
-            kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
-            default = "required" if field.is_required() else json.dumps(defaults[name])
-            description = field.description or comments.get(name, "")
-            rows.append(f"| `{name}` | {_cell(kind, True)} | {_cell(default, True)} | {_cell(description)} |")
-        blocks.append(f"**{model.__name__}**: " + " ".join(about) + "\n\n" + "\n".join(rows))
+        rows = [_row(name, model.model_fields[name], defaults.get(name), comments) for name in own]
+        blocks.append(f"**{model.__name__}**: " + " ".join(about) + "\n\n" + "\n".join(TABLE_HEAD + rows))
     return "\n\n".join(blocks)
+
+
+TABLE_HEAD = ["| field | type | default | description |", "|---|---|---|---|"]
+
+
+def _row(name: str, field, default: Any, comments: dict[str, str]) -> str:
+    """One Markdown row: field, type with bounds, default as JSON (or `required`), description."""
+    bounds = _bounds(field)
+    kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
+    default = "required" if field.is_required() else json.dumps(default)
+    description = field.description or comments.get(name, "")
+    return f"| `{name}` | {_cell(kind, True)} | {_cell(default, True)} | {_cell(description)} |"
+
+
+def model_table(model, notes: dict[str, str] | None = None) -> str:
+    """A Markdown table of a pydantic model's fields (its bases' included), as `settings_tables` writes them;
+    `notes` describes fields that have neither a Field description nor a comment."""
+    comments = {**(notes or {}), **field_comments(model)}
+    rows = []
+    for name, field in model.model_fields.items():
+        default = None if field.is_required() else \
+            TypeAdapter(Any).dump_python(field.get_default(call_default_factory=True), mode="json")
+        rows.append(_row(name, field, default, comments))
+    return "\n".join(TABLE_HEAD + rows)
+
+
+def plugin_fields_table(obj: Any) -> str:
+    """A plugin's config fields as a Markdown table; a sentence when it takes no config."""
+    config = config_of(obj)
+    return model_table(config) if config is not None and config.model_fields else "No config fields."
+
+
+def plugin_lines(entries: list[Entry], width: int | None = None) -> str:
+    """`alignflow plugins`: one line per plugin, cut to `width` columns (default: the terminal's, $COLUMNS)."""
+    width = width or shutil.get_terminal_size().columns
+    rows = [("kind", "name", "distribution", "description")]
+    rows += [(e.kind, e.name, f"{e.distribution} {e.version}", e.description or "") for e in entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = []
+    for row in rows:
+        line = ("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]).rstrip()
+        lines.append(line if len(line) <= width else line[:width - 1] + "…")
+    return "\n".join(lines)

@@ -23,7 +23,7 @@ err_console = Console(stderr=True)
 
 def cmd_plugins(args) -> int:
     """List every loaded plugin: kind, name, distribution, version, description; `show NAME` for one."""
-    from alignflow.core.describe import describe
+    from alignflow.core.describe import describe, plugin_lines
     from alignflow.core.plugins import get_plugins
 
     entries = get_plugins().entries()
@@ -33,12 +33,7 @@ def cmd_plugins(args) -> int:
         keys = ("kind", "name", "distribution", "version", "description", "stage", "entry_point", "config_schema")
         print(json.dumps([{k: d[k] for k in keys} for d in map(describe, entries)], indent=2))
         return 0
-    table = Table(title="alignflow plugins")
-    for col in ("kind", "name", "distribution", "version", "description"):
-        table.add_column(col)
-    for row in (e.as_dict() for e in entries):
-        table.add_row(*(row[c] for c in ("kind", "name", "distribution", "version", "description")))
-    console.print(table)
+    print(plugin_lines(entries))  # one line per plugin, cut to the terminal's width
     return 0
 
 
