@@ -61,7 +61,8 @@ def replay(seed: int, step: int) -> int:
 
 
 def minibatches(seed: int, step: int) -> int:
-    """The order in which rl `step` puts its groups into minibatches."""
+    """The order in which rl `step` puts its groups into minibatches. At step 0 the same value as round 0's
+    sampling seed on rank 0, but of a CPU permutation, not the sampler's generator."""
     return seed * STEP + step
 
 
