@@ -135,7 +135,7 @@ def has(algo: "RLAlgorithm", capability: type) -> bool:
         if (type(algo), name) not in _warned:
             _warned.add((type(algo), name))
             warnings.warn(f"{type(algo).__name__}.{name} overrides the deprecated RLAlgorithm.{name}: subclass "
-                          f"alignflow.core.rl_capabilities.{capability.__name__} too (RLAlgorithm.{name} goes in "
+                          f"{capability.__module__}.{capability.__name__} too (RLAlgorithm.{name} goes in "
                           "the next release)", DeprecationWarning, stacklevel=2)
     return bool(legacy)
 

@@ -77,7 +77,7 @@ def test_a_legacy_override_counts_as_the_capability_and_warns_once_naming_both()
         assert has(LegacyGuided(), GuidedSamples)
     text = sorted(str(w.message) for w in caught)
     assert len(text) == 2 and "LegacyGuided.guided_prompt" in text[0] and "LegacyGuided.guided_samples" in text[1]
-    assert all("rl_capabilities.GuidedSamples" in t for t in text)
+    assert all(f"subclass {GuidedSamples.__module__}.GuidedSamples too" in t for t in text)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per class and member
         assert has(LegacyGuided(), GuidedSamples) and not has(LegacyGuided(), Replay)
