@@ -3,25 +3,22 @@
 The stage drives every algorithm the same way, without knowing which one it runs:
 
     rollout = Rollout(...)                          # generate G per prompt, score, old/ref log-probs, values
-    rollout = rollout.select(algo.filter_groups(rollout))  # DAPO-style filters; regenerate up to
-                                                    # algo.max_gen_batches rounds and Rollout.cat them
-    rollout += groups of the last algo.buffer_steps steps that algo.replay_groups picks, with the
-               old_logprobs they were generated with   # only algo.fresh_groups(prompts_per_step) are new
-    rollout += for each group with no correct completion, the correct ones of algo.guided_samples drawn after
-               algo.guided_prompt(prompt, answer), flagged `guided` and placed after the plain prompt
+    rollout = rollout.select(algo.filter_groups(rollout))  # e.g. DAPO's filter of equal-reward groups
     advantages, returns = algo.advantages(rollout)  # once per rollout, on the whole batch
+    skip = algo.inert_rows(rollout, advantages)     # rows with a zero loss and gradient: never forwarded
     for each of ppo_epochs, each optimizer step, each micro-batch `idx`:
         batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...)
         per_token, metrics = algo.loss(batch)
         norm = StepNorm(step tokens, step sequences, algo.norm_constant(rollout))
         loss = aggregate(per_token, batch.response_mask, algo.loss_agg_mode, norm)
         if algo.requires_critic: loss += aggregate(algo.value_loss(batch)[0], ..., same mode and norm)
+    log algo.step_metrics()
 
-Parameters that are not the model's (λ-GRPO's λ) come from `algo.extra_parameters()` and join the
-optimizer. Algorithms with `requires_whole_groups` need every micro-batch to hold whole prompt groups.
-An algorithm that names a `cost_reward` gets that reward's raw values as `Rollout.costs`, apart from the
-total (the reward must have weight 0); state it updates itself (RePO's multiplier) is `state_dict()`,
-which the stage keeps in its checkpoints.
+The flags (`needs_old_logprobs`, `requires_reference`/`critic`/`teacher`/`step_rewards`/`whole_groups`) say
+which forward passes and inputs the stage prepares. What one algorithm alone needs is an opt-in capability
+of `alignflow.core.rl_capabilities` that the stage checks with `has(algo, Capability)`: guided samples
+(`GuidedSamples`), replayed groups (`Replay`), refill rounds (`Regenerate`), a cost reward
+(`CostConstrained`), checkpointed state (`Stateful`) and parameters of its own (`ExtraParameters`).
 """
 
 from __future__ import annotations
@@ -31,11 +28,11 @@ from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
-from torch import Tensor, nn
+from torch import Tensor
 
 from alignflow.core.aggregation import AggMode
 from alignflow.core.contracts import Algorithm, PluginConfig
-from alignflow.core.rewards import reward_labels
+from alignflow.core.rl_capabilities import LegacyMembers, cost_reward_problem  # noqa: F401 (re-exported)
 from alignflow.core.rl_parts import clipped_surrogate, group_ids, group_sum, kl_estimate, masked_mean
 
 
@@ -147,8 +144,11 @@ class PolicyBatch:
     returns: Tensor | None = None  # [b, T] critic targets
 
 
-class RLAlgorithm(Algorithm):
-    """Base of online RL algorithms; the class flags describe the default config, an instance refines them."""
+class RLAlgorithm(LegacyMembers, Algorithm):
+    """Base of online RL algorithms; the class flags describe the default config, an instance refines them.
+
+    What only some algorithms need is an opt-in capability (`alignflow.core.rl_capabilities`); the members
+    inherited from `LegacyMembers` are deprecated aliases of those, kept for one release."""
 
     stage: ClassVar[str] = "rl"
     needs_old_logprobs: ClassVar[bool] = True  # importance ratios / KL to pi_old
@@ -168,76 +168,27 @@ class RLAlgorithm(Algorithm):
     def loss_agg_mode(self) -> str:
         return getattr(self.config, "loss_agg_mode", "token-mean")
 
-    @property
-    def max_gen_batches(self) -> int:
-        """Generation rounds the stage may run to refill a batch that `filter_groups` shrank (0: no cap)."""
-        return 1
+    def norm_constant(self, rollout: Rollout) -> float | None:
+        """StepNorm.constant for `seq-mean-token-sum-norm`; None when the mode needs none.
 
-    def fresh_groups(self, prompts_per_step: int) -> int:
-        """Prompt groups generated at each step; the batch's other groups are replayed from earlier steps."""
-        return prompts_per_step
-
-    @property
-    def buffer_steps(self) -> int:
-        """Steps a generated group stays replayable after the step that generated it (0: none is kept)."""
-        return 0
-
-    def replay_groups(self, ages: Tensor, n: int, generator: torch.Generator) -> Tensor:
-        """Indices of the buffered groups to train on again (`ages`: steps since each was generated), at
-        most n. Default: n of them uniformly at random, without replacement."""
-        return torch.randperm(len(ages), generator=generator)[:n]
-
-    def guided_prompt(self, prompt: str, answer: str) -> str | None:
-        """For a group whose completions are all wrong: a prompt showing the reference `answer`, after which the
-        stage samples `guided_samples` completions and adds those the verifier accepts to the rollout as
-        `guided` rows (ExPO's self-explanations). None (default): no guided samples."""
+        Kept on the base, not a capability: `seq-mean-token-sum-norm` is one of the shared aggregation modes
+        any algorithm's config may pick, and the stage passes this constant to every aggregation; only its
+        value is the algorithm's (Dr. GRPO: the generation budget, read from the rollout)."""
         return None
 
-    @property
-    def guided_samples(self) -> int:
-        """Completions drawn after each `guided_prompt`."""
-        return 0
+    def filter_groups(self, rollout: Rollout) -> Tensor:
+        """[B] bool: the responses to train on (DAPO drops groups of equal rewards). Default keeps all."""
+        return torch.ones_like(rollout.rewards, dtype=torch.bool)
+
+    def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
+        """[B, T] advantages and [B, T] critic returns (None without a critic), on the whole rollout."""
+        raise NotImplementedError
 
     def inert_rows(self, rollout: Rollout, advantages: Tensor) -> Tensor | None:
         """[B] bool: rows whose per-token loss is exactly 0 with a zero gradient, which the stage then does not
         forward or backward at all (they still count in the step's normaliser, so the gradient is unchanged).
         None (default): every row is trained."""
         return None
-
-    def norm_constant(self, rollout: Rollout) -> float | None:
-        """StepNorm.constant for `seq-mean-token-sum-norm`; None when the mode needs none."""
-        return None
-
-    def extra_parameters(self) -> list[nn.Parameter]:
-        """Trainable parameters that are not the model's; the stage adds them to its optimizer."""
-        return []
-
-    @property
-    def cost_reward(self) -> str | None:
-        """The label of a stage reward whose raw values the algorithm reads as `Rollout.costs`, apart from the
-        total reward (so it must have weight 0); None (default): no costs."""
-        return None
-
-    def state_dict(self) -> dict:
-        """State the algorithm updates itself, outside any optimizer (RePO's multiplier): plain Python values
-        that the stage saves with each checkpoint and hands to `load_state_dict` on resume."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned."""
-
-    def step_metrics(self) -> dict[str, float]:
-        """Scalars the last `advantages` call measured (RePO's multiplier, SGPO's group counts); the stage logs
-        them with the step's metrics. Default: none."""
-        return {}
-
-    def filter_groups(self, rollout: Rollout) -> Tensor:
-        """[B] bool: the responses to train on. Default keeps all."""
-        return torch.ones_like(rollout.rewards, dtype=torch.bool)
-
-    def advantages(self, rollout: Rollout) -> tuple[Tensor, Tensor | None]:
-        """[B, T] advantages and [B, T] critic returns (None without a critic), on the whole rollout."""
-        raise NotImplementedError
 
     def loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """[b, T] per-token loss to minimise (the stage aggregates it) and detached scalar metrics."""
@@ -246,6 +197,11 @@ class RLAlgorithm(Algorithm):
     def value_loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """[b, T] per-token critic loss, already weighted, for `requires_critic` algorithms."""
         raise NotImplementedError(f"{type(self).__name__} has no critic")
+
+    def step_metrics(self) -> dict[str, float]:
+        """Scalars the last `advantages` call measured (RePO's multiplier, SGPO's group counts); the stage logs
+        them with the step's metrics. Default: none."""
+        return {}
 
 
 class PolicyGradientConfig(PluginConfig):
@@ -307,19 +263,3 @@ def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Te
 def broadcast(per_response: Tensor, mask: Tensor) -> Tensor:
     """A [B] per-response value on every response token: [B, T]."""
     return per_response[:, None] * mask.to(per_response.dtype)
-
-
-def cost_reward_problem(algo: RLAlgorithm, rewards: list) -> str | None:
-    """What keeps a stage's rewards (spec `RewardRef`s: name, weight) from giving `algo` its costs; None when
-    nothing does. Rewards are labelled as the stage's RewardSet labels them (NAME, NAME_i for a repeated one)."""
-    name = algo.cost_reward
-    if name is None:
-        return None
-    weights = dict(zip(reward_labels([r.name for r in rewards]), (r.weight for r in rewards)))
-    if name not in weights:
-        return (f"algorithm.config.cost_reward: {name!r} is not a reward of the stage (rewards: "
-                f"{', '.join(weights) or 'none'})")
-    if weights[name] != 0:
-        return (f"rewards: {name!r} is the algorithm's cost_reward, which must stay out of the total reward: "
-                f"give it weight: 0 (it has weight {weights[name]:g})")
-    return None

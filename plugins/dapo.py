@@ -11,6 +11,7 @@ from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
 from alignflow.core.errors import DataError
 from alignflow.core.rl import Rollout
+from alignflow.core.rl_capabilities import Regenerate
 from alignflow.core.rl_parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -22,7 +23,7 @@ class DAPOConfig(GRPOConfig):
     max_gen_batches: int = Field(10, ge=0)  # generation rounds to refill a filtered batch (verl recipe; 0: no cap)
 
 
-class DAPO(GRPO):
+class DAPO(Regenerate, GRPO):
     """DAPO (Yu et al. 2025, arXiv 2503.14476): GRPO advantages, clip-higher, dynamic sampling, token-mean loss.
 
     Dynamic sampling drops the groups whose accuracy (`Rollout.correct`, not the shaped reward) is 0 or 1; the

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.rl import PolicyBatch, Rollout, broadcast
+from alignflow.core.rl_capabilities import GuidedSamples
 from alignflow.core.rl_parts import group_normalize, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -37,7 +38,7 @@ class ExPOConfig(GRPOConfig):
         return v
 
 
-class ExPO(GRPO):
+class ExPO(GuidedSamples, GRPO):
     """ExP-GRPO (Zhou, Li, Zhang, Leqi, "ExPO: Unlocking Hard Reasoning with Self-Explanation-Guided
     Reinforcement Learning", arXiv 2507.02834): J = J_GRPO + beta * log pi_theta(c~, a* | q), c~ ~ pi_theta(. | q, a*).
 

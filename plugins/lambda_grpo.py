@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
 from alignflow.core.rl import PolicyBatch
+from alignflow.core.rl_capabilities import ExtraParameters
 from alignflow.core.rl_parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -23,7 +24,7 @@ class LambdaGRPOConfig(GRPOConfig):
     min_lift: float = Field(1e-6, gt=0.0)  # clamp on h, so h ** lambda stays defined for any r
 
 
-class LambdaGRPO(GRPO):
+class LambdaGRPO(ExtraParameters, GRPO):
     """λ-GRPO (Wang et al. 2025, arXiv 2510.06870): weights f_i = G softmax_i(h_i^λ) on each response's surrogate.
 
     From the paper (abstract and third-party summaries): standardised length z_i within the group, lift

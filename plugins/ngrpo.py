@@ -12,6 +12,7 @@ from alignflow.core import hookimpl
 from alignflow.core.aggregation import AggMode
 from alignflow.core.errors import DataError
 from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl_capabilities import Regenerate
 from alignflow.core.rl_parts import group_ids, group_sum
 
 
@@ -42,7 +43,7 @@ def calibrated_advantages(rewards: Tensor, group: Tensor, max_reward: float, k: 
     return centred / (std[inverse] + eps)
 
 
-class NGRPO(PolicyGradient):
+class NGRPO(Regenerate, PolicyGradient):
     """NGRPO (Nan et al. 2025, arXiv 2509.18851): advantage calibration and asymmetric clipping, token-mean, no KL.
 
     Each group's mean and unbiased std are taken over its G rewards plus K virtual samples of reward r_max,

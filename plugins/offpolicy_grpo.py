@@ -9,6 +9,7 @@ from pydantic import Field
 
 from alignflow.core import hookimpl
 from alignflow.core.rl import Rollout, broadcast
+from alignflow.core.rl_capabilities import Replay
 from alignflow.core.rl_parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -21,7 +22,7 @@ class OffPolicyGRPOConfig(GRPOConfig):
     var_eps: float = Field(1e-6, gt=0.0)  # eps of sigma_eps = sqrt(var + eps) (the paper's value is not given)
 
 
-class OffPolicyGRPO(GRPO):
+class OffPolicyGRPO(Replay, GRPO):
     """Off-policy GRPO (Mroueh et al. 2025, arXiv 2505.22257): samples of a behaviour policy alpha, replayed.
 
     The paper's surrogate, per token: min(r A_alpha, clip(r, 1-eps, 1+eps) A_alpha) - beta KL(pi_theta || pi_ref),

@@ -12,6 +12,7 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.errors import AlignflowError
 from alignflow.core.rl import Rollout, broadcast
+from alignflow.core.rl_capabilities import CostConstrained, Stateful
 from alignflow.core.rl_parts import group_normalize
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
@@ -28,7 +29,7 @@ class RePOConfig(GRPOConfig):
     failed_violation: float = Field(1.0, gt=0.0)
 
 
-class RePO(GRPO):
+class RePO(CostConstrained, Stateful, GRPO):
     """RePO (Peng et al. 2024, arXiv 2410.19933): max over pi, min over lambda >= 0 of
     L(pi, lambda) = E[R(x, y) - lambda [C(x, y)]^+], the per-prompt constraint C(x, y) <= 0 in place of
     Safe-RLHF's E[C] <= 0, so only responses that violate pay, and a safe one never buys slack for another.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from alignflow.core import seeds
 from alignflow.core.constitution import draw_principles, read_principles
 from alignflow.core.data import load_rows
 from alignflow.core.errors import SpecError
@@ -27,8 +28,6 @@ from alignflow.core.spec import DEFAULT_SAMPLER, PluginRef
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import columns_for, generate, judge, loaded_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl
-
-PHASE_SEED = 1_000_003  # each critique and revision call draws other random numbers than the answers
 
 
 @dataclass
@@ -80,13 +79,13 @@ def critique_and_revise(sampler, tokenizer, rows: list[dict], answers: Generatio
         fields = [{"prompt": rows[i]["prompt"], "completion": text, "principle": drawn[j][r]}
                   for j, (i, text) in enumerate(zip(answers.prompt_index, current))]
         asked = generate(sampler, tokenizer, [{"prompt": s.critique_template.format(**f)} for f in fields], 1,
-                         s.generation, seed + (2 * r + 1) * PHASE_SEED)
+                         s.generation, seeds.critique(seed, 2 * r + 1))
         for j, text in enumerate(asked.texts):
             critiques[j].append(text.strip())
         critique_tokens += asked.lengths
         requests = [{"prompt": s.revision_template.format(**f, critique=critiques[j][r])}
                     for j, f in enumerate(fields)]
-        last = generate(sampler, tokenizer, requests, 1, s.generation, seed + (2 * r + 2) * PHASE_SEED)
+        last = generate(sampler, tokenizer, requests, 1, s.generation, seeds.critique(seed, 2 * r + 2))
         current = list(last.texts)
     final = dataclasses.replace(last, prompt_index=list(answers.prompt_index))
     return Revised(list(answers.prompt_index), list(answers.texts), drawn, critiques, current), final, critique_tokens

@@ -1,16 +1,15 @@
-"""The `rl` stage: online RL with any registered RL algorithm, driven by its flags alone.
+"""The `rl` stage: online RL with any registered RL algorithm, driven by its flags and capabilities alone.
 
-Per step: draw prompts -> G completions each through the sampler -> rewards -> the algorithm's
-group filter (refilling rounds) -> guided samples for unsolved groups, when the algorithm asks for them ->
-groups of earlier steps, when the algorithm replays -> padded tensors -> reference log-probs / critic values
-when the algorithm needs them -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
+Per step: groups of earlier steps to replay -> G completions per prompt, scored, filtered, refilled ->
+guided samples for unsolved groups -> padded tensors and the forward passes the algorithm needs (pi_old,
+reference, teacher, critic) -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
 the sampler takes the new weights. pi_old is the sampler's own log-probs: no extra forward pass (but on
-guided rows, whose sampler log-probs are after another prompt).
+guided rows, whose sampler log-probs are after another prompt). What one algorithm alone needs lives in
+a file of its own: rl_guided, rl_replay, rl_costs, rl_state, rl_params.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,95 +18,32 @@ from typing import Any
 
 import torch
 
-from alignflow.core.data import load_rows
-from alignflow.core.engine import Engine, frozen
-from alignflow.core.errors import SpecError
+from alignflow.core import seeds
 from alignflow.core.adapters import AdaptersOff
+from alignflow.core.data import load_rows
+from alignflow.core.engine import Engine
+from alignflow.core.errors import SpecError
 from alignflow.core.models import token_logprobs
 from alignflow.core.progress import progress
-from alignflow.core.rl import cost_reward_problem
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
-from alignflow.flows.stages.rl_overlap import Overlapped
+from alignflow.flows.stages.rl_costs import check_costs, cost_label
+from alignflow.flows.stages.rl_guided import rescore_guided, with_guided
+from alignflow.flows.stages.rl_overlap import Overlapped, overlap_next
+from alignflow.flows.stages.rl_params import attach_parameters, detach_parameters
 from alignflow.flows.stages.rl_prompts import PromptDraw
 from alignflow.flows.stages.rl_replay import ReplayBuffer, replay_metrics, restore, with_replayed
-from alignflow.flows.stages.rl_rollout import collect, rollout_metrics, round_share, to_batch
-from alignflow.flows.stages.rl_update import critic_values, prepare, rescore_guided, rollout_stats, update
-from alignflow.flows.stages.scoring import CHUNK, prompt_ids, reward_set
-from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
-                                             model_source, plugin, save_pretrained)
+from alignflow.flows.stages.rl_rollout import Batch, Samples, collect, rollout_metrics, to_batch
+from alignflow.flows.stages.rl_setup import (check_overlap, engines, load_reference, load_teacher,
+                                             minibatches_per_rollout, process_reward, rl_steps)
+from alignflow.flows.stages.rl_state import checkpoint_state, resume
+from alignflow.flows.stages.rl_update import critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.scoring import reward_set
+from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
+    save_pretrained
 
-EXTRA = "rl_extra_parameters"  # algorithm parameters (λ-GRPO's λ) ride on the policy module
-
-
-def rl_steps(n_rows: int, s) -> int:
-    """Rollouts to train on: `max_steps`, or `epochs` passes over the prompts."""
-    if s.max_steps is not None:
-        return s.max_steps
-    if n_rows < s.prompts_per_step:
-        raise SpecError(f"prompts_per_step={s.prompts_per_step} is larger than the dataset ({n_rows} rows)")
-    return max(1, math.ceil(s.epochs * (n_rows // s.prompts_per_step)))
-
-
-def minibatches_per_rollout(ctx: StageContext, algo) -> int:
-    """Optimizer steps per epoch over a rollout; checks that batches divide into whole groups."""
-    s, where = ctx.settings, f"stage {ctx.name!r}, settings"
-    rollout = s.prompts_per_step * s.group_size
-    size = s.batch_size or rollout
-    if rollout % size or size % s.micro_batch_size:
-        raise SpecError(f"{where}: batch_size={size} must divide prompts_per_step x group_size={rollout} "
-                        f"and be a multiple of micro_batch_size={s.micro_batch_size}")
-    if algo.requires_whole_groups and s.micro_batch_size % s.group_size:
-        raise SpecError(f"{where}.micro_batch_size: {ctx.spec.algorithm.name} needs whole groups per micro-batch:"
-                        f" a multiple of group_size={s.group_size}, got {s.micro_batch_size}")
-    return rollout // size
-
-
-def engine_settings(s):
-    """The settings an engine sees: batch_size None means the whole rollout."""
-    return s.model_copy(update={"batch_size": s.batch_size or s.prompts_per_step * s.group_size})
-
-
-def load_reference(ctx: StageContext, policy_source: str):
-    """The frozen reference: the `reference` input, else the initial policy; None for a LoRA policy without a
-    `reference` input, whose base (its adapters switched off, `AdaptersOff`) is that initial policy."""
-    settings = engine_settings(ctx.settings)  # a ZeRO-3 reference is a DeepSpeed engine too
-    if "reference" not in ctx.inputs:
-        return None if lora_rank(ctx.settings) else frozen(load_model_for(ctx, policy_source), settings)
-    with model_source(ctx, "reference") as src:
-        return frozen(load_model_for(ctx, src), settings)
-
-
-def load_teacher(ctx: StageContext, tokenizer):
-    """The frozen teacher of a `requires_teacher` algorithm: the `teacher` input, which scores the
-    student's token ids and so must share its vocabulary."""
-    where = f"stage {ctx.name!r}, inputs.teacher"
-    if "teacher" not in ctx.inputs:
-        raise SpecError(f"{where}: algorithm {ctx.spec.algorithm.name!r} learns from a teacher: give its model "
-                        "path or `stage:NAME`")
-    with model_source(ctx, "teacher") as src:
-        theirs, ours = load_tokenizer_for(ctx, src).get_vocab(), tokenizer.get_vocab()
-        if theirs != ours:
-            differing = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
-            raise SpecError(f"{where}: the teacher's vocabulary ({len(theirs)} tokens) is not the student's "
-                            f"({len(ours)}; first differences {differing}): the teacher scores the student's "
-                            "token ids, so both need the same tokenizer")
-        return frozen(load_model_for(ctx, src), engine_settings(ctx.settings))
-
-
-def engines(ctx: StageContext, model, critic, total: int, updates: int):
-    """The policy engine (resumed) and the critic engine resumed at the policy's step."""
-    s = ctx.settings
-    # The engine counts optimizer steps: `updates` per rollout, checkpoints on rollout boundaries.
-    train = engine_settings(s).model_copy(update={"save_every": s.save_every * updates})
-    torch.manual_seed(ctx.seed)
-    engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
-    if critic is not None:
-        critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr})
-        critic = Engine.create(critic, critic_settings, total * updates, ctx.checkpoint_dir / "critic",
-                               resume=engine.step_count)
-    return engine, critic
+__all__ = ["check_ranks", "rl_steps", "run_rl"]
 
 
 @dataclass
@@ -133,8 +69,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
-    if problem := cost_reward_problem(algo, ctx.spec.rewards):  # before any model loads
-        raise SpecError(f"stage {ctx.name!r}, {problem}")
+    check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
     if s.overlap_rollouts:
         check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
@@ -146,11 +81,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         reference = load_reference(ctx, src) if algo.requires_reference else None
         critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
     teacher = load_teacher(ctx, tokenizer) if algo.requires_teacher else None
-    if algo.extra_parameters():  # so the optimizer steps them and checkpoints hold them
-        if s.zero_stage == 3:  # ZeRO-3 partitions them, and the loss reads them outside any forward
-            raise SpecError(f"stage {ctx.name!r}, settings.zero_stage: {ctx.spec.algorithm.name} trains its own "
-                            "parameters in the loss, which ZeRO-3 would partition: use zero_stage 0, 1 or 2")
-        model.add_module(EXTRA, torch.nn.ParameterList(algo.extra_parameters()))
+    attach_parameters(ctx, model, algo)  # before the engine, so its optimizer steps them
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
     if algo.requires_reference and reference is None:
         reference = AdaptersOff(engine.module)
@@ -160,10 +91,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
         sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
-    state = engine.data_state or {}  # a resumed run goes on with its checkpoint's buffer and success table
-    algo.load_state_dict(state.get("algorithm") or {})  # and the algorithm's own state (RePO's multiplier)
-    replay = ReplayBuffer(algo, s.prompts_per_step, ctx.seed, state.get("replay"), f"stage {ctx.name!r}, ")
-    prompts = PromptDraw(len(dataset), replay.fresh, ctx.seed, s.prompt_sampling, state.get("prompts"))
+    replay, prompts = resume(ctx, algo, engine.data_state or {}, len(dataset))  # a resumed run goes on as it was
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
                  process, teacher, replay=replay, prompts=prompts), total
 
@@ -187,27 +115,6 @@ def check_ranks(ctx: StageContext) -> None:
                         f"(batch_size, else prompts_per_step x group_size) is shared by {world} processes in "
                         f"micro-batches of {s.micro_batch_size}: {size} must be a multiple of "
                         f"{s.micro_batch_size} x {world}")
-
-
-def check_overlap(ctx: StageContext, sampler_cls) -> None:
-    """Overlapped rollouts copy the policy module into a worker: whole weights, and a sampler that
-    generates on a module (a sampler with an engine of its own, as `vllm`, already runs apart)."""
-    where = f"stage {ctx.name!r}, settings.overlap_rollouts"
-    if ctx.settings.zero_stage == 3:
-        raise SpecError(f"{where}: the rollout worker needs whole weights, which ZeRO-3 shards: use zero_stage 0-2")
-    if sampler_cls.loads_checkpoint:
-        raise SpecError(f"{where}: sampler {ctx.spec.sampler.name!r} runs an engine of its own; overlapped "
-                        "rollouts are for samplers that generate on the policy module (`hf`)")
-
-
-def process_reward(ctx: StageContext, rewards: RewardSet):
-    """The one reward of the stage that scores each step (has `step_rewards`, as the `prm` reward)."""
-    found = [r for r in rewards.rewards if hasattr(r.fn, "step_rewards")]
-    if len(found) != 1:
-        raise SpecError(f"stage {ctx.name!r}: algorithm {ctx.spec.algorithm.name!r} learns from step rewards "
-                        f"and needs exactly one reward that scores steps (such as `prm`) among its rewards; "
-                        f"found {len(found)} ({', '.join(r.name for r in rewards.rewards)})")
-    return found[0].fn
 
 
 def run_rl(ctx: StageContext) -> StageResult:
@@ -234,10 +141,8 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
                 ctx.log_metrics(metrics, step + 1)
             if critic is not None:  # first, so the policy's newest checkpoint always has its critic
                 critic.maybe_save({"step": step + 1})
-            engine.maybe_save({"step": step + 1, "replay": p.replay.state(), "prompts": p.prompts.state(),
-                               "algorithm": p.algo.state_dict()})
-    if hasattr(engine.module, EXTRA):
-        delattr(engine.module, EXTRA)  # the output is an ordinary transformers checkpoint
+            engine.maybe_save(checkpoint_state(step, p.algo, p.replay, p.prompts))
+    detach_parameters(engine.module)
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
@@ -246,63 +151,29 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     return StageResult(outputs={"model": out}, metrics=final, headline=headline)
 
 
-def prefetch(ctx: StageContext, p: Parts, step: int) -> None:
-    """Start `step`'s first generation round in the overlapped sampler: the same calls `collect` makes."""
-    index, mine, seed = round_share(ctx, step, 0, p.dataset, p.prompts)
-    ids = prompt_ids(p.tokenizer, [p.dataset[index[i]] for i in mine])
-    for lo in range(0, len(ids), CHUNK):
-        p.sampler.prefetch(ids[lo: lo + CHUNK], ctx.settings.group_size, ctx.settings.generation, seed + lo)
-
-
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     """Generate, score, filter, prepare, compute advantages, update; returns the step's metrics."""
-    s, gen = ctx.settings, ctx.settings.generation
+    s = ctx.settings
     start = time.perf_counter()
     picked = p.replay.draw(step)  # groups of earlier steps the algorithm trains on again
-    kept, drawn, metrics = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
-                                   p.tokenizer.pad_token_id, p.process_reward, p.prompts)
-    metrics.update(rollout_metrics(kept, drawn))
-    metrics.update(replay_metrics(step, picked, kept))
-    fresh, kept = kept, with_replayed(kept, picked)  # fresh rows first, then the replayed groups
-    overlapped = isinstance(p.sampler, Overlapped)
-    # Optimizer updates between the weights that generated this step's samples and these.
-    metrics["rollout/staleness"] = float(p.sampler.take_staleness()) if overlapped else 0.0
-    if overlapped and step + 1 < rl_steps(len(p.dataset), s):
-        prefetch(ctx, p, step + 1)  # generates on these weights while this step trains
+    fresh, drawn, metrics = rollouts(ctx, p, step)
+    metrics.update(rollout_metrics(fresh, drawn))
+    metrics.update(replay_metrics(step, picked, fresh))
+    kept = with_replayed(fresh, picked)  # fresh rows first, then the replayed groups
+    last = step + 1 >= rl_steps(len(p.dataset), s)
+    metrics["rollout/staleness"] = overlap_next(ctx, p, step, last)  # the next round generates while this trains
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
         for _ in range(p.n_minibatches * s.ppo_epochs):
             for engine in filter(None, (p.engine, p.critic)):
                 engine.step()
         return {**metrics, "perf/tokens": 0.0}
-    temperature = gen.temperature if gen.temperature > 0 else 1.0  # greedy log-probs: the plain softmax
-
-    def logprobs(model):
-        return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature,
-                                                           packed=s.pack_sequences)
-
-    fill = {}  # the forward passes this algorithm needs before its advantages, and no other
-    p.sampler.release()  # a GPU engine frees its memory while the trainer steps
-    if s.recompute_old_logprobs or s.tis_cap is not None or (kept.logprobs is None and p.algo.needs_old_logprobs):
-        fill["old_logprobs"] = logprobs(p.engine.model)
-    if p.reference is not None:
-        fill["ref_logprobs"] = logprobs(p.reference)
-    if p.teacher is not None:
-        fill["teacher_logprobs"] = logprobs(p.teacher)
-    if p.critic is not None:
-        fill["values"] = partial(critic_values, p.critic.model)
-    batch = to_batch(kept, p.tokenizer.pad_token_id, gen.max_new_tokens, p.algo.cost_reward).to(p.engine.device)
-    batch = prepare(batch, s.micro_batch_size, **fill)
-    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
-    # taken when `fill` recomputed pi_old for every row).
-    batch = rescore_guided(batch, s.micro_batch_size, None if "old_logprobs" in fill else logprobs(p.engine.model))
-    # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
-    batch = restore(batch, len(fresh), picked)
+    batch = scored_batch(ctx, p, kept, len(fresh), picked)
     p.replay.add(step, fresh, batch.rollout)
     advantages, returns = p.algo.advantages(batch.rollout)
     trained = time.perf_counter()
-    metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches, temperature,
-                          torch.Generator().manual_seed(ctx.seed * 1_000_003 + step)))
+    metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches,
+                          temperature(s), seeds.generator(seeds.minibatches(ctx.seed, step))))
     p.sampler.update_weights(p.engine.module)
     end = time.perf_counter()
     generated = float(sum(len(c) for c in drawn.completion_ids))
@@ -312,3 +183,46 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
                     "perf/tokens": generated, "perf/tokens_per_s": generated / (end - start),
                     "perf/completions_per_s": len(drawn) / (end - start)})
     return metrics
+
+
+def rollouts(ctx: StageContext, p: Parts, step: int) -> tuple[Samples, Samples, dict[str, float]]:
+    """The step's kept samples (its guided samples after them), everything generated, and their metrics."""
+    kept, drawn, metrics, sources = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
+                                            p.tokenizer.pad_token_id, p.process_reward, p.prompts)
+    kept, guided = with_guided(ctx, step, kept, sources, p.sampler, p.tokenizer, p.rewards, p.algo,
+                               p.process_reward)
+    return kept, drawn, {**metrics, **guided}
+
+
+def temperature(s) -> float:
+    """The temperature of the trainer's log-probs: the sampler's; greedy sampling scores the plain softmax."""
+    return s.generation.temperature if s.generation.temperature > 0 else 1.0
+
+
+def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picked: list[dict]) -> Batch:
+    """The padded batch with the forward passes this algorithm needs before its advantages, and no other."""
+    s = ctx.settings
+    logprobs = partial(policy_logprobs, temperature=temperature(s), packed=s.pack_sequences)
+    fill = {}
+    p.sampler.release()  # a GPU engine frees its memory while the trainer steps
+    if s.recompute_old_logprobs or s.tis_cap is not None or (kept.logprobs is None and p.algo.needs_old_logprobs):
+        fill["old_logprobs"] = logprobs(p.engine.model)
+    if p.reference is not None:
+        fill["ref_logprobs"] = logprobs(p.reference)
+    if p.teacher is not None:
+        fill["teacher_logprobs"] = logprobs(p.teacher)
+    if p.critic is not None:
+        fill["values"] = partial(critic_values, p.critic.model)
+    batch = to_batch(kept, p.tokenizer.pad_token_id, s.generation.max_new_tokens, cost_label(p.algo))
+    batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
+    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
+    # taken when `fill` recomputed pi_old for every row).
+    batch = rescore_guided(batch, s.micro_batch_size, None if "old_logprobs" in fill else logprobs(p.engine.model))
+    # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
+    return restore(batch, n_fresh, picked)
+
+
+def policy_logprobs(model, temperature: float, packed: bool):
+    """fn(ids, attention, mask) -> `model`'s log-probs of the tokens at `temperature`."""
+    return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature,
+                                                       packed=packed)

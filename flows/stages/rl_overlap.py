@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from alignflow.core import Sampler
+from alignflow.core import Sampler, seeds
 from alignflow.core.errors import AlignflowError
+from alignflow.flows.stages.rl_rollout import round_share
+from alignflow.flows.stages.scoring import CHUNK, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,22 @@ class Overlapped(Sampler):
             if self.process.is_alive():
                 self.process.kill()
         self.inner.close()
+
+
+def overlap_next(ctx, p, step: int, last: bool) -> float:
+    """The step's staleness (optimizer updates between the weights that generated its samples and these; 0
+    without overlap), after starting the next step's first round in the worker unless `step` is the `last`."""
+    if not isinstance(p.sampler, Overlapped):
+        return 0.0
+    staleness = float(p.sampler.take_staleness())
+    if not last:
+        prefetch(ctx, p, step + 1)  # generates on these weights while this step trains
+    return staleness
+
+
+def prefetch(ctx, p, step: int) -> None:
+    """Start `step`'s first generation round in the overlapped sampler: the same calls `collect` makes."""
+    index, mine, seed = round_share(ctx, step, 0, p.dataset, p.prompts)
+    ids = prompt_ids(p.tokenizer, [p.dataset[index[i]] for i in mine])
+    for lo in range(0, len(ids), CHUNK):
+        p.sampler.prefetch(ids[lo: lo + CHUNK], ctx.settings.group_size, ctx.settings.generation, seeds.chunk(seed, lo))

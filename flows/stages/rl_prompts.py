@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from alignflow.core import seeds
 from alignflow.flows.stages.rl_rollout import round_prompts
 
-PRIORITY_SEED = 6_700_417  # separates the prioritised draws from the other seeded streams of a step
 # Added to every weight: prompts always solved (1 - s_i = 0) stay drawable, rarely, so a round that needs
 # more prompts than remain unsolved can still be filled.
 SOLVED_WEIGHT = 1e-6
@@ -43,7 +43,7 @@ class PromptDraw:
         """The `per_step` dataset rows of `step`'s generation round `round_`."""
         if self.mode == "epochs":
             return round_prompts(step, round_, self.n_rows, self.per_step, self.seed)
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 101 + round_ + PRIORITY_SEED)
+        generator = seeds.generator(seeds.priority(self.seed, step, round_))
         return torch.multinomial(self.weights(), self.per_step, replacement=False, generator=generator).tolist()
 
     def record(self, rows: list[int], correct: list[bool]) -> None:

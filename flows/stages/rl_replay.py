@@ -1,4 +1,5 @@
-"""The `rl` stage's replay buffer: groups of recent steps, kept with the log-probs they were sampled with.
+"""The `rl` stage's replay buffer, for `Replay` algorithms: groups of recent steps, kept with the log-probs
+they were sampled with.
 
 An algorithm that replays (`fresh_groups` below `prompts_per_step` and `buffer_steps` above 0, as
 `offpolicy_grpo`) trains each step on its fresh groups plus up to prompts_per_step - fresh groups of the
@@ -15,12 +16,12 @@ from dataclasses import asdict, replace
 
 import torch
 
+from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.ranks import rank_and_world
 from alignflow.core.rl import Rollout
+from alignflow.core.rl_capabilities import Replay, has
 from alignflow.flows.stages.rl_rollout import Batch, Samples
-
-REPLAY_SEED = 15_485_863  # separates the replay draws from the other seeded streams of a step
 
 
 class ReplayBuffer:
@@ -29,7 +30,8 @@ class ReplayBuffer:
 
     def __init__(self, algo, prompts_per_step: int, seed: int, state: list[dict] | None = None, where: str = ""):
         self.algo, self.seed = algo, seed
-        self.fresh = algo.fresh_groups(prompts_per_step)  # groups generated per step
+        # groups generated per step
+        self.fresh = algo.fresh_groups(prompts_per_step) if has(algo, Replay) else prompts_per_step
         self.replayed = prompts_per_step - self.fresh  # groups replayed per step, once the buffer holds them
         if not 1 <= self.fresh <= prompts_per_step:
             raise ValueError(f"{type(algo).__name__}.fresh_groups({prompts_per_step}) = {self.fresh}: "
@@ -49,7 +51,7 @@ class ReplayBuffer:
         if not live or not self.replayed:
             return []
         ages = torch.tensor([step - e["step"] for e in live])
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step + REPLAY_SEED)
+        generator = seeds.generator(seeds.replay(self.seed, step))
         picked = self.algo.replay_groups(ages, min(self.replayed, len(live)), generator)
         return [live[i] for i in picked.tolist()]
 

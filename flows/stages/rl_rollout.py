@@ -1,5 +1,4 @@
-"""Rollouts of the `rl` stage: draw prompts, generate G completions each, score, filter, add guided samples
-for the groups no completion solved (when the algorithm asks for them), tensorise.
+"""Rollouts of the `rl` stage: draw prompts, generate G completions each, score, filter, refill, tensorise.
 
 Everything here is a pure function of the step (prompt draw and sampling seed), so a resumed run
 regenerates exactly the rollouts an uninterrupted run would.
@@ -13,15 +12,15 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from alignflow.core import seeds
 from alignflow.core.data import pad, token_ends
-from alignflow.core.rl import Rollout
 from alignflow.core.ranks import gathered, rank_and_world
+from alignflow.core.rl import Rollout
+from alignflow.core.rl_capabilities import Regenerate, has
+from alignflow.flows.stages.rl_costs import cost_label
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
-ROUND_SEED = 7_919  # separates the prompt draws of a step's refill rounds
-RANK_SEED = 104_729  # separates the sampling seeds of data-parallel ranks (rank 0 keeps one process's)
-GUIDED_SEED = 15_485_867  # separates the sampling seeds of a step's guided samples from its rounds'
 
 
 @dataclass
@@ -38,7 +37,7 @@ class Samples:
     values: dict[str, list[float | None]]  # each reward's raw scores
     steps: list[list[tuple[int, float]]] | None = None  # process reward: (completion token, reward) per step
     counts: dict[str, float] = field(default_factory=dict)  # reward/NAME/failed and rewards' own counts
-    guided: list[bool] | None = None  # sampled after `algo.guided_prompt` (see `explain`); None: no such row
+    guided: list[bool] | None = None  # sampled after `algo.guided_prompt` (see rl_guided); None: no such row
 
     def __len__(self) -> int:
         return len(self.group)
@@ -98,7 +97,7 @@ class Batch:
 
 def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> list[int]:
     """Rows drawn at `step` for generation round `round_` (round 0 walks the seeded epochs)."""
-    return step_rows(step, n_rows, k, seed if round_ == 0 else seed + ROUND_SEED * round_)
+    return step_rows(step, n_rows, k, seeds.round_rows(seed, round_))
 
 
 def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None) -> tuple[list[int], list[int], int]:
@@ -109,7 +108,7 @@ def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None) -> 
         index = draw.rows(step, round_)
     else:
         index = round_prompts(step, round_, len(dataset), ctx.settings.prompts_per_step, ctx.seed)
-    return index, list(range(rank, len(index), world)), ctx.seed * 1_000_003 + step * 101 + round_ + rank * RANK_SEED
+    return index, list(range(rank, len(index), world)), seeds.rollout(ctx.seed, step, round_, rank)
 
 
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
@@ -139,10 +138,10 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
 
 def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,
             process_reward=None, draw=None):
-    """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill
-    up to `algo.max_gen_batches` rounds (0: until full), trim to `draw.per_step` groups (without a
-    `PromptDraw`: `prompts_per_step`); the draw records every completion's success. The kept rows are
-    followed by the guided samples of the groups they leave unsolved (`explain`), when the algorithm asks.
+    """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill up to
+    `algo.max_gen_batches` rounds (0: until full) for a `Regenerate` algorithm, trim to `draw.per_step` groups
+    (without a `PromptDraw`: `prompts_per_step`); the draw records every completion's success. Returns the
+    kept samples, all drawn ones, metrics, and each group's dataset row.
 
     On several ranks each generates for its share of a round's prompts, and every rank then holds
     the whole round, so the filter, the advantages and the update see the rollout one process would.
@@ -152,7 +151,8 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
     sources = {}  # group id -> its dataset row
     times = {"generate": 0.0, "score": 0.0}
-    while n_kept < want and (algo.max_gen_batches == 0 or rounds < algo.max_gen_batches):
+    cap, cost = algo.max_gen_batches if has(algo, Regenerate) else 1, cost_label(algo)
+    while n_kept < want and (cap == 0 or rounds < cap):
         index, mine, seed = round_share(ctx, step, rounds, dataset, draw)
         rows = [dataset[i] for i in index]
         sources.update({rounds * want + i: row for i, row in enumerate(rows)})
@@ -162,7 +162,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        batch = to_batch(samples, pad_id, s.generation.max_new_tokens, algo.cost_reward)
+        batch = to_batch(samples, pad_id, s.generation.max_new_tokens, cost)
         keep = algo.filter_groups(batch.rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
@@ -172,57 +172,14 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         drawn.append(samples)
         n_kept += len(groups)
         rounds += 1
-    kept = Samples.join(kept)
-    guided, guided_metrics = explain(ctx, step, kept, sources, sampler, tokenizer, rewards, algo, process_reward)
     metrics = {
         "sampling/rounds": float(rounds),
         "sampling/groups_filtered": float(filtered),
         "sampling/groups_kept": float(n_kept),
         **{f"time/{k}": v for k, v in times.items()},
         **(draw.metrics() if draw is not None else {}),
-        **guided_metrics,
     }
-    return kept if guided is None else Samples.join([kept, guided]), Samples.join(drawn), metrics
-
-
-def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, tokenizer, rewards, algo,
-            process_reward=None) -> tuple[Samples | None, dict[str, float]]:
-    """Guided samples (ExPO's self-explanations) for the kept groups with no correct completion:
-    `algo.guided_samples` completions after `algo.guided_prompt(prompt, answer)` of each (`sources[g]`: group
-    g's dataset row), scored as any completion, the correct ones kept as `guided` rows of their group.
-
-    Their prompt ids are the PLAIN prompt's, so every forward of the stage (pi_old, reference, the update)
-    scores them after the plain prompt; their `logprobs` are still the sampler's after the hint, which
-    `rl_update.rescore_guided` replaces before the update. Not counted in the prompt draw's success table.
-    """
-    if algo.guided_samples < 1:
-        return None, {}
-    start = time.perf_counter()
-    solved = {g for g, ok in zip(kept.group, kept.correct) if ok}
-    hints = [(g, algo.guided_prompt(sources[g]["prompt"], sources[g]["answer"]))
-             for g in sorted(set(kept.group) - solved)]
-    hints = [(g, hint) for g, hint in hints if hint is not None]
-    metrics = {"guided/groups": float(len(hints)), "guided/rows": 0.0}
-    if not hints:  # the same on every rank: all of them skip the gather below
-        return None, metrics
-    rank, world = rank_and_world()
-    mine = hints[rank::world]
-    samples = Samples([], [], [], [], [], [], [], {r.name: [] for r in rewards.rewards},
-                      [] if process_reward is not None else None)  # a rank with no hint still joins the gather
-    if mine:
-        seed = ctx.seed * 1_000_003 + step * 101 + rank * RANK_SEED + GUIDED_SEED
-        samples, _ = generate_round(sampler, tokenizer, [{**sources[g], "prompt": hint} for g, hint in mine],
-                                    algo.guided_samples, ctx.settings.generation, seed, rewards,
-                                    [g for g, _ in mine], process_reward)
-    samples = whole_round(samples)
-    ok = [i for i, correct in enumerate(samples.correct) if correct]
-    metrics.update({"guided/rows": float(len(ok)), "guided/accept_rate": len(ok) / len(samples),
-                    "time/guided": time.perf_counter() - start})
-    if not ok:  # no self-explanation reached the answer: nothing to add
-        return None, metrics
-    accepted = replace(samples.take(ok), counts={}, guided=[True] * len(ok))
-    accepted.prompt_ids = prompt_ids(tokenizer, [sources[g] for g in accepted.group])
-    return accepted, metrics
+    return Samples.join(kept), Samples.join(drawn), metrics, sources
 
 
 def whole_round(samples: Samples) -> Samples:

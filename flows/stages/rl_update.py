@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import replace
+from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.core.aggregation import aggregate
 from alignflow.core.models import token_logprobs
-from alignflow.core.ranks import gathered, rank_and_world
 from alignflow.core.rl_parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estimate, masked_mean
 from alignflow.flows.stages.rl_rollout import Batch
+from alignflow.flows.stages.rl_shard import Shard
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:
@@ -45,41 +45,17 @@ def stitched(batch: Batch, micro: int, fn) -> Tensor:
 
     On several ranks each computes its share of the micro-batches and all of them get the whole tensor.
     """
-    rank, world = rank_and_world()
+    shard = Shard.current()
     out = torch.zeros_like(batch.rollout.response_mask, dtype=torch.float32)
-    for rows in chunks(torch.arange(len(out), device=out.device), micro)[rank::world]:
+    for rows in shard.mine(chunks(torch.arange(len(out), device=out.device), micro)):
         ids, attention, mask = batch.view(rows)
         out[rows, : ids.shape[1]] = fn(ids, attention, mask).float()
-    if world > 1:
-        dist.all_reduce(out)  # each row is non-zero on one rank only
-    return out
+    return shard.sum(out)
 
 
 def prepare(batch: Batch, micro: int, **fill) -> Batch:
     """The batch with each named Rollout field set to fn(ids, attention, mask) over micro-batches."""
     return replace(batch, rollout=replace(batch.rollout, **{k: stitched(batch, micro, fn) for k, fn in fill.items()}))
-
-
-def rescore_guided(batch: Batch, micro: int, fn=None) -> Batch:
-    """The batch with the `old_logprobs` and `sampler_logprobs` of its guided rows set to fn(ids, attention, mask)
-    on their sequences: the plain prompt then the completion. The sampler's were of the completion after the
-    hinted prompt, a distribution no loss term compares with; after this a guided row's pi_old is the policy
-    after the plain prompt, and its sampler/trainer gap (the mismatch metrics, `tis_cap`) is 0. `fn=None`:
-    `old_logprobs` already hold that forward (recomputed on every row), only the sampler's are replaced."""
-    r = batch.rollout
-    if r.guided is None or not r.guided.any():
-        return batch
-    rows = r.guided.nonzero().flatten()
-    if fn is None:
-        plain = r.old_logprobs[rows]
-    else:
-        plain = stitched(Batch(batch.input_ids[rows], batch.attention_mask[rows], r.select(rows)), micro, fn)
-    old = r.old_logprobs.clone()
-    old[rows] = plain
-    sampled = None if r.sampler_logprobs is None else r.sampler_logprobs.clone()
-    if sampled is not None:
-        sampled[rows] = plain
-    return replace(batch, rollout=replace(r, old_logprobs=old, sampler_logprobs=sampled))
 
 
 def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tensor]:
@@ -93,13 +69,13 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
            n_minibatches: int, temperature: float, generator: torch.Generator) -> dict[str, float]:
     """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each.
 
-    On several ranks each takes every world-th micro-batch of a minibatch; the step's loss is normalised
-    over all of them (`step_norm`), so the gradient is the one-process gradient. A rank left without a
-    micro-batch runs one with zero weight, so that every rank reaches the optimizer step's all-reduce.
+    On several ranks each takes its `Shard` of a minibatch's micro-batches; the step's loss is normalised
+    over all of them (`step_norm`), so the gradient is the one-process gradient.
     """
-    r, s = batch.rollout, settings
-    rank, world = rank_and_world()
+    r, s, shard = batch.rollout, settings, Shard.current()
     inert = algo.inert_rows(r, advantages)
+    forward = partial(micro_step, engine, critic, algo, batch, advantages=advantages, returns=returns,
+                      temperature=temperature, packed=s.pack_sequences)
     micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
     step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
     step_losses: list[float] = []  # this rank's share of each step's loss
@@ -107,48 +83,39 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
     for epoch in range(s.ppo_epochs):
         for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
             micro = chunks(minibatch, s.micro_batch_size)
-            norm = engine.step_norm([r.response_mask[m] for m in micro[rank::world]], algo.norm_constant(r))
-            weight = 1.0
-            if inert is not None:  # the normaliser counts them; no forward or backward does
-                live = minibatch[~inert[minibatch]]
-                # all inert: one micro-batch at weight 0, a zero gradient for the optimizer step, as if computed
-                micro, weight = (chunks(live, s.micro_batch_size), 1.0) if len(live) else (micro[:1], 0.0)
-            mine = micro[rank::world]
+            norm = engine.step_norm([r.response_mask[m] for m in shard.mine(micro)], algo.norm_constant(r))
+            micro, weight = trained(micro, minibatch, inert, s.micro_batch_size)
             step_loss = 0.0
-            for rows in mine:
-                metrics, ent = micro_step(engine, critic, algo, batch, rows, advantages, returns, norm, temperature,
-                                          weight=weight, tis_cap=s.tis_cap, measure=epoch == 0 and index == 0,
-                                          packed=s.pack_sequences)
+            for rows in shard.mine(micro):
+                metrics, ent = forward(rows, norm=norm, weight=weight, tis_cap=s.tis_cap,
+                                       measure=epoch == 0 and index == 0)
                 if epoch == 0:
                     entropy += ent
                 step_loss += float(metrics.pop("actor/loss"))
                 for k, v in metrics.items():
                     micro_metrics[k].append(float(v))
-            if micro and not mine:
-                micro_step(engine, critic, algo, batch, micro[0], advantages, returns, norm, temperature, weight=0.0,
-                           packed=s.pack_sequences)
+            if shard.idle(micro):
+                forward(micro[0], norm=norm, weight=0.0)
             step_losses.append(step_loss)
             for k, v in engine.step().items():
                 step_metrics[f"actor/{k}"].append(v)
             for k, v in (critic.step() if critic is not None else {}).items():
                 step_metrics[f"critic/{k}"].append(v)
-    if world > 1:
-        micro_metrics, step_losses = over_ranks(micro_metrics, step_losses)
-        dist.all_reduce(entropy)
+    micro_metrics, step_losses = shard.merge(micro_metrics, step_losses)
+    shard.sum(entropy)
     out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
     out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
     out["actor/skipped_rows"] = 0.0 if inert is None else inert.float().mean().item()
     return out
 
 
-def over_ranks(micro_metrics: dict[str, list[float]], step_losses: list[float]):
-    """Every rank's micro-batch metrics, and each step's loss summed over the ranks' shares."""
-    parts = gathered((dict(micro_metrics), step_losses))
-    merged: dict[str, list[float]] = defaultdict(list)
-    for metrics, _ in parts:
-        for k, v in metrics.items():
-            merged[k] += v
-    return merged, [sum(losses) for losses in zip(*(p[1] for p in parts))]
+def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: int) -> tuple[list[Tensor], float]:
+    """The micro-batches to forward and their loss weight: without the inert rows, which the normaliser still
+    counts; all inert: one micro-batch at weight 0, a zero gradient for the optimizer step."""
+    if inert is None:
+        return micro, 1.0
+    live = minibatch[~inert[minibatch]]
+    return (chunks(live, size), 1.0) if len(live) else (micro[:1], 0.0)
 
 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.progress import progress
@@ -122,7 +123,7 @@ def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: 
     starts = list(range(0, len(ids), chunk))[rank::world]
     with progress("generate", total=sum(len(ids[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
         for lo in starts:
-            part = sampler.generate(ids[lo: lo + chunk], n, gen, seed + lo)
+            part = sampler.generate(ids[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
             bar.update(len(ids[lo: lo + chunk]), tokens=sum(part.lengths))
             yield lo, part
 

@@ -18,6 +18,7 @@ import json
 import random
 from pathlib import Path
 
+from alignflow.core import seeds
 from alignflow.core.data import iter_jsonl
 from alignflow.core.errors import DataError, SpecError
 from alignflow.core.spec import validate_config
@@ -81,7 +82,7 @@ def run_select(ctx: StageContext) -> StageResult:
         cls = ctx.plugins.selectors.get(ref.name)
         where = f"stage {ctx.name!r}, selectors[{step - 1}].config"
         selector = cls(validate_config(cls, ref.config, where))
-        rows = selector(rows, random.Random(f"{ctx.seed}:{step}"))
+        rows = selector(rows, random.Random(seeds.selector(ctx.seed, step)))
         ctx.log_metrics({"rows": float(len(rows))}, step)
     out = ctx.work_dir / "data.jsonl"
     write_jsonl(rows, out)

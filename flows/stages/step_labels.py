@@ -13,14 +13,13 @@ prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, 
 
 from __future__ import annotations
 
+from alignflow.core import seeds
 from alignflow.core.data import load_rows, split_steps
 from alignflow.core.ranks import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import (CHUNK, chunks, columns_for, every_rank, generate_and_score, judge,
                                             loaded_sampler, reward_set)
 from alignflow.flows.stages.select import write_jsonl
-
-ROLLOUT_SEED = 1_000_003  # rollouts draw other random numbers than the solutions they complete
 
 
 def prefix(steps: list[str], i: int, separator: str) -> str:
@@ -96,7 +95,7 @@ def rollout_hits(ctx: StageContext, sampler, tokenizer, rows: list[dict], todo: 
     s = ctx.settings
     prompts = [{**rows[i], "prompt": rows[i]["prompt"] + text} for i, text in todo]
     pieces = []
-    for lo, part in chunks(sampler, tokenizer, prompts, s.rollouts, s.generation, ctx.seed + ROLLOUT_SEED,
+    for lo, part in chunks(sampler, tokenizer, prompts, s.rollouts, s.generation, seeds.step_label_rollouts(ctx.seed),
                            shard=True):
         keys = [todo[lo + j] for j in part.prompt_index]
         texts = [text + cont for (_, text), cont in zip(keys, part.texts)]

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.adapters import has_adapters, with_lora
 from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
@@ -85,7 +86,7 @@ def step_rows(step: int, n_rows: int, batch_size: int, seed: int) -> list[int]:
     """
     per_epoch = n_rows // batch_size
     epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    order = torch.randperm(n_rows, generator=seeds.generator(seeds.epoch_order(seed, epoch)))
     return order[index * batch_size: (index + 1) * batch_size].tolist()
 
 

@@ -17,8 +17,8 @@ from alignflow.core.settings import RLSettings
 from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl import run_rl
+from alignflow.flows.stages.rl_guided import rescore_guided, with_guided
 from alignflow.flows.stages.rl_rollout import collect, to_batch
-from alignflow.flows.stages.rl_update import rescore_guided
 from alignflow.plugins.expo import ExPO, ExPOConfig
 from alignflow.plugins.hf import HFSampler
 
@@ -53,9 +53,10 @@ def collect_step(tiny, reward, dataset):
     settings = RLSettings(max_steps=1, prompts_per_step=4, group_size=3, micro_batch_size=4,
                           generation={"max_new_tokens": 5, "temperature": 0.8})
     rewards = RewardSet([Reward(reward.__name__, 1.0, reward)])
-    kept, drawn, metrics = collect(SimpleNamespace(settings=settings, seed=0), 0, dataset, sampler, tok, rewards,
-                                   ExPO(ExPOConfig(guided_samples=2)), tok.pad_token_id)
-    return kept, drawn, metrics, tok, model
+    ctx, algo = SimpleNamespace(settings=settings, seed=0), ExPO(ExPOConfig(guided_samples=2))
+    kept, drawn, metrics, sources = collect(ctx, 0, dataset, sampler, tok, rewards, algo, tok.pad_token_id)
+    kept, guided = with_guided(ctx, 0, kept, sources, sampler, tok, rewards, algo)
+    return kept, drawn, {**metrics, **guided}, tok, model
 
 
 def test_a_step_where_no_self_explanation_is_accepted_adds_no_row(tiny, one_thread):
