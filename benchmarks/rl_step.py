@@ -42,8 +42,8 @@ class FullWidth(Batch):
 @contextmanager
 def padded_to(width: int):
     """Make the stage pad every batch to `width` columns for the duration."""
-    def make(samples, pad_id, max_new_tokens):
-        b = to_batch(samples, pad_id, max_new_tokens)
+    def make(samples, pad_id, max_new_tokens, cost=None):
+        b = to_batch(samples, pad_id, max_new_tokens, cost)
         extra = width - b.input_ids.shape[1]
         r = replace(b.rollout, response_mask=F.pad(b.rollout.response_mask, (0, extra)),
                     old_logprobs=F.pad(b.rollout.old_logprobs, (0, extra)))
