@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.settings import settings_model
+from alignflow.core.kinds import settings_model
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.child import run_in_child

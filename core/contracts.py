@@ -11,7 +11,6 @@ StageKind = Literal[
     "select", "sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "critique_revise",
     "step_labels", "evaluate",
 ]
-TRAINING_KINDS = ("sft", "reward_model", "prm", "preference", "rl")
 
 
 class PluginConfig(BaseModel):

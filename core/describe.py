@@ -142,12 +142,13 @@ def settings_tables() -> str:
     bounds), default (as JSON) and description (the Field's description, else the trailing comment of
     the field's own line). A subclass lists only the fields it adds or redefines."""
     from alignflow.core import settings
+    from alignflow.core.kinds import SETTINGS
 
     models = [getattr(settings, name) for name in SETTINGS_MODELS]
     blocks = []
     for model in models:
         base = model.__bases__[0]
-        kinds = [kind for kind, m in settings.SETTINGS.items() if m is model]
+        kinds = [kind for kind, m in SETTINGS.items() if m is model]
         nested = sorted({name for m in models for name, f in m.model_fields.items() if f.annotation is model})
         children = [m.__name__ for m in models if m.__bases__[0] is model]
         about = []

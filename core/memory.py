@@ -26,13 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from alignflow.core.contracts import TRAINING_KINDS
 from alignflow.core.errors import AlignflowError, SpecError
+from alignflow.core.kinds import TRAINING_KINDS, VALUE_HEAD_KINDS, stage_kind
+from alignflow.core.stage import resolve_input
 
 GIB = 2**30
 STAGE_REF = "stage:"
 BUILTIN = "builtin:"
-VALUE_HEAD_KINDS = ("reward_model", "prm")  # train a one-output sequence-classification model
 
 
 @dataclass(frozen=True)
@@ -208,11 +208,8 @@ def model_input(spec, name: str, key: str) -> str:
 def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_node: int = 1,
                  nodes: int = 1) -> StageMemory:
     """The estimate for training stage `name` of a validated spec, on `gpus_per_node` x `nodes` ranks."""
-    from alignflow.core.settings import settings_model
-    from alignflow.flows.digest import resolve_input
-
     stage = spec.stages[name]
-    s = settings_model(stage.kind).model_validate(stage.settings)
+    s = stage.validated_settings()
     memory = StageMemory(spec.label(name), stage.kind, s.zero_stage, s.offload_optimizer, s.offload_params,
                          gpus_per_node, nodes, s.dtype)
     algo = plugins.algorithms.get(stage.algorithm.name) if stage.algorithm is not None else None
@@ -250,10 +247,8 @@ def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_n
     split = gpus_per_node * nodes if s.zero_stage == 3 else 1  # ZeRO-3 partitions frozen weights too
     if not (s.zero_stage == 3 and offload_params):
         memory.frozen_gpu = sum(width * c.total // split for c in memory.frozen.values())
-    if stage.kind == "rl" and stage.sampler is not None:  # an online sampler lives beside the trainer
-        from alignflow.core.spec import validate_config
-
-        c = validate_config(plugins.samplers.get(stage.sampler.name), stage.sampler.config, "sampler.config")
+    if stage_kind(stage.kind).online_sampler and stage.sampler is not None:  # it lives beside the trainer
+        c = stage.sampler.validated(plugins.samplers, "sampler")
         if getattr(c, "gpu_memory_utilization", None) and not getattr(c, "sleep", False):
             memory.sampler_share = c.gpu_memory_utilization  # vLLM's share of the device
     return memory

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from alignflow.core.errors import SpecError
-from alignflow.core.spec import STAGE_REF, StageSpec, loc_text
+from alignflow.core.stage import STAGE_REF, StageSpec, loc_text
 
 PREV = "prev"  # `stage:X@prev`
 ROUND_NAME = re.compile(r"(?P<stage>.+)\.r(?P<round>[1-9][0-9]*)")

@@ -91,6 +91,15 @@ class TrainSettings(PluginConfig):
                              "16 bytes a parameter would stay on the GPU to save its 2)")
         return value
 
+    def batch_problem(self) -> str | None:
+        """What keeps an optimizer step's `batch_size` from splitting into whole micro-batches; None if nothing."""
+        return self.micro_problem(self.batch_size)
+
+    def micro_problem(self, size: int) -> str | None:
+        if size % self.micro_batch_size:
+            return f"{size} must be a multiple of micro_batch_size={self.micro_batch_size}"
+        return None
+
 
 class LoraSettings(PluginConfig):
     """LoRA adapters (Hu et al. 2021, arXiv 2106.09685) on the policy, through `peft`: each targeted weight W
@@ -151,6 +160,16 @@ class RLSettings(PolicySettings):
     # once per pass. "prioritized": with probability proportional to 1 - s_i, s_i the success rate of prompt i
     # so far in the stage (Kimi k1.5, arXiv 2501.12599, section 2.3.4): prompts always solved are drawn rarely.
     prompt_sampling: Literal["epochs", "prioritized"] = "epochs"
+
+    def batch_problem(self) -> str | None:
+        """An optimizer step takes whole groups of a rollout, in whole micro-batches."""
+        rollout = self.prompts_per_step * self.group_size
+        size = self.batch_size or rollout
+        if rollout % size:
+            return f"{size} must divide the rollout, prompts_per_step x group_size = {rollout}"
+        if size % self.group_size:  # else some of a step's groups are empty
+            return f"{size} must be a multiple of group_size={self.group_size} (each optimizer step takes whole groups)"
+        return self.micro_problem(size)
 
 
 class PRMSettings(TrainSettings):
@@ -252,21 +271,3 @@ class EvaluateSettings(SamplingSettings):
     group_by: str | None = "level"  # a column to report accuracy per value of, when rows have it
     # best-of-n: for each reward named here, the accuracy of the completion it scores highest per prompt
     best_of: list[str] = Field(default_factory=list)
-
-
-SETTINGS: dict[str, type[PluginConfig]] = {
-    "select": SelectSettings,
-    "sft": PolicySettings,
-    "reward_model": TrainSettings,
-    "prm": PRMSettings,
-    "preference": PolicySettings,
-    "rl": RLSettings,
-    "rejection_sampling": SampleSettings,
-    "critique_revise": CritiqueSettings,
-    "step_labels": StepLabelSettings,
-    "evaluate": EvaluateSettings,
-}
-
-
-def settings_model(kind: str) -> type[PluginConfig]:
-    return SETTINGS[kind]

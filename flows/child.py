@@ -119,7 +119,7 @@ def _run_stage(payload: dict, out, rank: int) -> tuple:
     import torch
 
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import settings_model
+    from alignflow.core.kinds import settings_model
     from alignflow.core.spec import StageSpec
     from alignflow.flows.stages.registry import RUNNERS
 

@@ -13,7 +13,6 @@ import importlib.metadata
 import importlib.util
 import inspect
 import json
-import re
 import sqlite3
 import sys
 import time
@@ -23,9 +22,7 @@ from typing import Any
 
 import yaml
 
-from alignflow.core.errors import SpecError
-from alignflow.core.settings import settings_model
-from alignflow.core.spec import StageSpec, validate_config
+from alignflow.core.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
 
@@ -238,11 +235,11 @@ def data_version(project: Path) -> str | None:
 
 
 def stage_config(name: str, stage: StageSpec, plugins) -> dict:
-    """The stage's config with every plugin config and the settings validated and defaults filled."""
+    """The stage's config: its checked plugin configs and settings (core/stage.py), defaults filled, as JSON."""
     where = f"stage {name!r}"
 
     def ref(r, registry, field):
-        cfg = validate_config(registry.get(r.name), r.config, f"{where}, {field}.config")
+        cfg = r.validated(registry, f"{where}, {field}")
         out = {"name": r.name, "config": cfg.model_dump(mode="json") if cfg is not None else {}}
         return {**out, "weight": r.weight} if hasattr(r, "weight") else out
 
@@ -252,7 +249,7 @@ def stage_config(name: str, stage: StageSpec, plugins) -> dict:
         "sampler": ref(stage.sampler, plugins.samplers, "sampler") if stage.sampler else None,
         "rewards": [ref(r, plugins.rewards, f"rewards[{i}]") for i, r in enumerate(stage.rewards)],
         "selectors": [ref(s, plugins.selectors, f"selectors[{i}]") for i, s in enumerate(stage.selectors)],
-        "settings": settings_model(stage.kind).model_validate(stage.settings).model_dump(mode="json"),
+        "settings": stage.validated_settings(f"{where}, settings").model_dump(mode="json"),
     }
 
 
@@ -269,31 +266,6 @@ def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
         versions[f"{kind}/{ref.name}"] = {"distribution": entry.distribution, "version": entry.version,
                                           **plugin_code(entry.obj, entry.distribution)}
     return versions
-
-
-HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
-
-
-def resolve_input(value: str, project: Path) -> Path | str:
-    """A local path (relative to the project) when it exists, else a hub id left as a string.
-
-    A hub id has the hub's form, `name` or `org/name`; a value that does not (`./x`, `/x`, `~/x`, a data
-    file's suffix, more than one `/`), or whose first folder exists in the project (`models/my-sft`
-    when `models/` is there), is a path, and a missing path is an error now rather than a failed
-    download later.
-    """
-    if value.startswith("builtin:"):  # a model the project builds itself (`builtin:tiny`)
-        return value
-    path = Path(value).expanduser()
-    path = path if path.is_absolute() else project / path
-    if path.exists():
-        return path
-    first = Path(value).parts[0] if Path(value).parts else ""
-    local = (value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".parquet", ".csv"}
-             or not HUB_ID.fullmatch(value) or ("/" in value and (project / first).is_dir()))
-    if local:
-        raise SpecError(f"input {value!r}: no such file or folder (looked in {path})")
-    return value
 
 
 def input_digest(value: Path | str, cache: HashCache = NO_CACHE) -> str:

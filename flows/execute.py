@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError, SpecError
-from alignflow.core.settings import settings_model
+# the kind tables (core/kinds.py), imported from here by plan.py and follow.py
+from alignflow.core.kinds import DATA_PARALLEL_KINDS, RANK_DEPENDENT_KINDS, THREAD_SAFE_KINDS  # noqa: F401
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.plan import StagePlan
 from alignflow.flows.child import can_run_in_child, run_in_child
@@ -44,20 +45,7 @@ class StageOutcome:
     mlflow_run_id: str | None = None
 
 
-# Stage kinds whose runners touch no process-wide state, so sibling stages may run them at once.
-# The others seed and draw from torch's global RNG (model init), share DeepSpeed's process group,
-# and import transformers lazily (not thread-safe): in two threads they corrupt each other. So one
-# of them at a time runs in this process, and a sibling that starts meanwhile runs in a child
-# process (flows/child.py); when it cannot (plugins defined in __main__), it waits its turn.
-THREAD_SAFE_KINDS = frozenset({"select"})  # a select stage that scores rows with rewards loads models: not safe
 PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
-# Stage kinds whose runners split their rows (each step's, or the prompts to sample) over the ranks of
-# a process group; `select` runs on one process whatever `--nproc` says.
-DATA_PARALLEL_KINDS = frozenset({"sft", "reward_model", "prm", "preference", "rl", "rejection_sampling",
-                                 "step_labels", "evaluate"})
-# Of those, the kinds whose results depend on the number of ranks beyond float rounding (each rank
-# samples its share of the rollouts with its own seed): the number is part of their digest.
-RANK_DEPENDENT_KINDS = frozenset({"rl"})
 NPROC_ENV = "ALIGNFLOW_NPROC"
 _exclusive = threading.Lock()
 _slots: dict[int, "OrderedSlots"] = {}
@@ -285,7 +273,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
     ctx = StageContext(
         name=plan.name, spec=plan.spec,
-        settings=settings_model(plan.kind).model_validate(plan.spec.settings),
+        settings=plan.spec.validated_settings(),
         inputs=inputs, work_dir=store.fresh_work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest),
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,

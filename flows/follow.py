@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError
-from alignflow.core.settings import settings_model
 from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.execute import (DATA_PARALLEL_KINDS, StageOutcome, parallel_stages, requested_processes,
                                      resolve_inputs, thread_share)
@@ -109,7 +108,7 @@ def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, board, nodes:
     from alignflow.flows.child import run_in_child
 
     ctx = StageContext(
-        name=plan.name, spec=plan.spec, settings=settings_model(plan.kind).model_validate(plan.spec.settings),
+        name=plan.name, spec=plan.spec, settings=plan.spec.validated_settings(),
         inputs=resolve_inputs(plan, done), work_dir=store.work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest), seed=plan.seed, plugins=plugins,
         log_metrics=lambda metrics, step: None,  # rank 0, on node 0, reports the stage

@@ -18,12 +18,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
-from alignflow.core.spec import PipelineSpec, parse_spec
+from alignflow.core.spec import PipelineSpec
 from alignflow.flows import shutdown
 from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
 from alignflow.flows.execute import StageOutcome, execute_stage, total_processes
-from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import StagePlan, plan_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import Tracker, git_state
@@ -49,12 +48,10 @@ class Session:
 def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None) -> Session:
     """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
     from alignflow.core.plugins import get_plugins
-    from alignflow.flows.data import ensure_data
+    from alignflow.flows.preflight import run_spec
 
-    raw = apply_overrides(yaml.safe_load(pipeline.read_text()) or {}, overrides)
+    raw, spec = run_spec(pipeline, overrides, project, take=True)  # checked (and data written) once per run
     plugins = get_plugins()
-    spec = parse_spec(raw, str(pipeline), plugins)
-    ensure_data(spec, project)
     plans = plan_pipeline(spec, project, plugins)
     store = open_store(artifacts if artifacts is not None else project / "artifacts")  # a folder or a URL
     return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
@@ -157,10 +154,10 @@ def register_final_model(session: Session, report: PipelineReport) -> None:
 
 
 def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path(".")) -> PipelineSpec:
-    """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`)."""
-    from alignflow.flows.preflight import check_pipeline
+    """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`), once a run."""
+    from alignflow.flows.preflight import run_spec
 
-    return check_pipeline(pipeline, overrides, project, regenerate=True)
+    return run_spec(pipeline, overrides, project)[1]
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),

@@ -18,14 +18,14 @@ import yaml
 from alignflow.core.constitution import constitution_problems
 from alignflow.core.data import check_row
 from alignflow.core.errors import SpecError
-from alignflow.core.settings import critique_rows, sampled_rows
+from alignflow.core.kinds import stage_kind
 from alignflow.core.spec import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
-from alignflow.flows.digest import resolve_input
+from alignflow.core.stage import resolve_input
 from alignflow.flows.overrides import apply_overrides
 
 SHOWN_PER_FILE = 10  # bad lines listed per file; the rest are counted
-DATASET_SCHEMA = {"sft": "sft", "reward_model": "pairwise", "prm": "steps", "rl": "prompt_answer",
-                  "step_labels": "prompt_answer", "evaluate": "prompt_answer"}
+# A run's spec, read and checked once (`run_spec`): (file, mtime, size, overrides, project) -> (raw, spec)
+_checked: dict[tuple, tuple[dict, PipelineSpec]] = {}
 
 
 def read_yaml(path: Path):
@@ -41,16 +41,9 @@ def read_yaml(path: Path):
 
 
 def dataset_schema(stage: StageSpec, plugins) -> str | None:
-    """The row schema a stage's `dataset` input must hold; None for `select` (any JSON objects).
-    A preference stage's depends on its algorithm (pairs or labelled rows): it needs `plugins`."""
-    if stage.kind == "preference":
-        algo = plugins.algorithms.get(stage.algorithm.name)
-        return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
-    if stage.kind == "rejection_sampling":
-        return sampled_rows(stage.settings.get("output", "sft"))
-    if stage.kind == "critique_revise":
-        return critique_rows(bool(stage.rewards))
-    return DATASET_SCHEMA.get(stage.kind)
+    """The row schema a stage's `dataset` input must hold (its kind's record, core/kinds.py); None: any JSON
+    objects. Some depend on the stage's algorithm (pairs or labelled rows): they need `plugins`."""
+    return stage_kind(stage.kind).dataset_schema(stage, plugins)
 
 
 def jsonl_problems(path: Path, schema: str | None) -> list[str]:
@@ -100,9 +93,9 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
         stage, label = spec.stages[name], spec.label(name)  # a loop's rounds: one label, one report
         if stages is not None and name not in stages:
             continue
-        references = stage.references()
+        references, kind = stage.references(), stage_kind(stage.kind)
         for field, value in sorted(stage.inputs.items()):
-            if field == "constitution" and field in references and not rows_only:
+            if field in kind.inputs and kind.inputs[field] is None and field in references and not rows_only:
                 problems.append(f"stage {label!r}, inputs.{field}: {value!r}: expected a text file of principles, "
                                 "not a stage's output")
                 continue
@@ -122,7 +115,7 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
                 continue
             if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
                 continue
-            if field == "dataset" and stage.kind == "preference" and plugins is None:
+            if field == "dataset" and kind.schema_needs_plugins and plugins is None:
                 continue
             schema = dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
@@ -138,7 +131,8 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
     without it they are taken as present. `early(problems)`, if given, is called with the problems found
     before any plugin code loads (in about a second); the SpecError then lists only the others."""
     source = str(pipeline)
-    spec, problems = parse_shape(apply_overrides(read_yaml(Path(pipeline)), list(overrides)), source)
+    raw = apply_overrides(read_yaml(Path(pipeline)), list(overrides))
+    spec, problems = parse_shape(raw, source)
     misshapen = stages_of(problems)  # their plugins are not checked: one problem per stage's spec
     if regenerate:  # what `alignflow run` would write at its start, written now so its rows are checked too
         from alignflow.flows.data import ensure_data
@@ -154,26 +148,46 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
         plugins = get_plugins()
     with_plugins = plugin_problems(spec, source, plugins, skip=misshapen)
     problems += with_plugins + cost_reward_problems(spec, source, plugins, misshapen | stages_of(with_plugins))
-    # A preference stage's rows follow its algorithm (pairs or labelled rows): checked once it is loaded.
-    preference = {name for name, stage in spec.stages.items()
-                  if stage.kind == "preference" and spec.label(name) not in misshapen}
-    problems += input_problems(spec, project, plugins, preference, rows_only=True)
+    # Rows that follow the stage's algorithm (pairs or labelled rows): checked once it is loaded.
+    by_algorithm = {name for name, stage in spec.stages.items()
+                    if stage_kind(stage.kind).schema_needs_plugins and spec.label(name) not in misshapen}
+    problems += input_problems(spec, project, plugins, by_algorithm, rows_only=True)
     raise_all(pipeline, problems, shown)
+    if regenerate and (key := _run_key(pipeline, overrides, project)) is not None:
+        _checked[key] = (raw, spec)
     return spec
 
 
+def _run_key(pipeline: Path, overrides, project: Path) -> tuple | None:
+    try:
+        st = Path(pipeline).stat()
+    except OSError:
+        return None
+    return str(Path(pipeline).resolve()), st.st_mtime_ns, st.st_size, tuple(overrides), str(Path(project).resolve())
+
+
+def run_spec(pipeline: Path, overrides: list[str], project: Path, take: bool = False) -> tuple[dict, PipelineSpec]:
+    """The raw spec (overrides applied) and the checked spec of a run, read and checked once: by the first
+    to ask (the CLI, `run_pipeline`) and handed to the next; the run's flow `take`s it, so the next run checks
+    its inputs anew."""
+    key = _run_key(pipeline, overrides, project)
+    if key not in _checked:
+        check_pipeline(pipeline, overrides, project, regenerate=True)
+    return _checked.pop(key) if take else _checked[key]
+
+
 def cost_reward_problems(spec: PipelineSpec, source: str, plugins, skip: set[str]) -> list[str]:
-    """Each rl stage whose algorithm's `cost_reward` is not one of its rewards, or has a weight other than 0
+    """Each stage whose algorithm's `cost_reward` is not one of its rewards, or has a weight other than 0
     (the stage checks it again as it builds); stages in `skip` already have a problem reported."""
     from alignflow.core.rl import cost_reward_problem
-    from alignflow.core.spec import validate_config
+    from alignflow.core.stage import build_plugin
 
     problems = []
     for name, stage in spec.written().items():
-        if stage.kind != "rl" or stage.algorithm is None or name in skip:
+        if stage.algorithm is None or name in skip or not hasattr(plugins.algorithms.get(stage.algorithm.name),
+                                                                  "cost_reward"):
             continue
-        cls = plugins.algorithms.get(stage.algorithm.name)
-        algo = cls(validate_config(cls, stage.algorithm.config, f"stage {name!r}, algorithm.config"))
+        algo = build_plugin(plugins.algorithms, stage.algorithm, f"stage {name!r}, algorithm")
         problem = cost_reward_problem(algo, stage.rewards)
         if problem:
             problems.append(f"{source}: stage {name!r}, {problem}")

@@ -13,20 +13,8 @@ from typing import Any, Callable
 
 from alignflow.core.contracts import PluginConfig
 from alignflow.core.errors import SpecError
+from alignflow.core.kinds import OUTPUT_OF_INPUT, OUTPUTS  # noqa: F401  OUTPUT_OF_INPUT: read by flows/execute.py
 from alignflow.core.spec import StageSpec
-
-# Which upstream output a `stage:NAME` input reads, by the input's name.
-OUTPUT_OF_INPUT: dict[str, str] = {
-    "model": "model",
-    "reference": "model",
-    "reward_model": "model",
-    "prm": "model",
-    "completer": "model",
-    "critic": "model",
-    "teacher": "model",
-    "dataset": "dataset",
-    "eval_dataset": "dataset",
-}
 
 MetricsLogger = Callable[[dict[str, float], int], None]
 
@@ -59,7 +47,7 @@ class StageResult:
     headline: str | None = None  # the metric the summary shows for this stage
 
     def __post_init__(self):
-        unknown = set(self.outputs) - set(OUTPUT_OF_INPUT.values())
+        unknown = set(self.outputs) - OUTPUTS
         if unknown:
             raise SpecError(f"a stage output must be 'model' or 'dataset', got {', '.join(sorted(unknown))}")
         if self.headline is not None and self.headline not in self.metrics:

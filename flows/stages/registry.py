@@ -26,5 +26,5 @@ def _runners() -> dict[str, Runner]:
             "critique_revise": run_critique_revise, "step_labels": run_step_labels, "rl": run_rl}
 
 
-# Stage kind -> runner. Training kinds join here as their runners land.
+# Stage kind -> runner, nothing else: what a kind is lives in its record (core/kinds.py); each has one runner.
 RUNNERS: dict[str, Runner] = _runners()

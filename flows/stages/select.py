@@ -21,7 +21,7 @@ from pathlib import Path
 from alignflow.core import seeds
 from alignflow.core.data import iter_jsonl
 from alignflow.core.errors import DataError, SpecError
-from alignflow.core.spec import validate_config
+from alignflow.core.stage import build_plugin
 from alignflow.flows.stages import StageContext, StageResult
 
 
@@ -79,9 +79,7 @@ def run_select(ctx: StageContext) -> StageResult:
     scored = score_rows(ctx, rows, source) if ctx.spec.rewards else {}
     ctx.log_metrics({"rows": float(n_in)}, 0)
     for step, ref in enumerate(ctx.spec.selectors, start=1):
-        cls = ctx.plugins.selectors.get(ref.name)
-        where = f"stage {ctx.name!r}, selectors[{step - 1}].config"
-        selector = cls(validate_config(cls, ref.config, where))
+        selector = build_plugin(ctx.plugins.selectors, ref, f"stage {ctx.name!r}, selectors[{step - 1}]")
         rows = selector(rows, random.Random(seeds.selector(ctx.seed, step)))
         ctx.log_metrics({"rows": float(len(rows))}, step)
     out = ctx.work_dir / "data.jsonl"

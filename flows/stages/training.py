@@ -14,7 +14,7 @@ from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.adapters import has_adapters, with_lora
 from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
-from alignflow.core.spec import PluginRef, validate_config
+from alignflow.core.stage import PluginRef, build_plugin
 from alignflow.flows.stages import StageContext
 
 BUILTIN = "builtin:"
@@ -64,9 +64,8 @@ def lora_rank(settings) -> int:
 
 
 def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):
-    """Instantiate a registered plugin class with its validated `config:` block."""
-    cls = registry.get(ref.name)
-    return cls(validate_config(cls, ref.config, f"stage {ctx.name!r}, {field}.config"))
+    """Instantiate a registered plugin class with its `config:` block as the checked spec validated it."""
+    return build_plugin(registry, ref, f"stage {ctx.name!r}, {field}")
 
 
 def total_steps(n_rows: int, settings) -> int:

@@ -139,6 +139,25 @@ def test_validate_unknown_algorithm_suggests(pipeline, alignflow):
     assert "unknown algorithm 'dpo2'; did you mean 'dpo'?" in out.stderr
 
 
+def test_validate_reports_every_plugin_problem_of_every_stage_at_once(pipeline, tmp_path, monkeypatch,
+                                                                      alignflow):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "sft.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (tmp_path / "data" / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    monkeypatch.chdir(tmp_path)
+    text = PIPELINE.replace("algorithm: sft", "algorithm: sfd\n    rewards: [acuracy]\n"
+                                              "    sampler: {name: hf, config: {nope: 1}}")
+    out = alignflow("validate", pipeline(text.replace("beta: 0.1", "beta: -3")))
+    assert out.returncode == 1
+    err = " ".join(out.stderr.split())  # rich wraps long lines
+    assert "4 problems found" in err, err
+    for problem in ("stage 'sft', algorithm.name: unknown algorithm 'sfd'", "stage 'sft', rewards[0].name: unknown "
+                    "reward 'acuracy'", "stage 'sft', sampler.config.nope: Extra inputs are not permitted",
+                    "stage 'dpo', algorithm.config.beta: Input should be greater than 0"):
+        assert problem in err, problem
+
+
 def test_progress_lines_reach_stderr_off_a_terminal(capfd):
     """Off a terminal the CLI's logging shows the progress lines a bar would show."""
     import io
