@@ -205,3 +205,19 @@ def test_a_runner_digest_reaches_its_helpers_and_not_the_other_runners():
     assert {"alignflow.flows.stages.training", "alignflow.core.models"} <= reached
     assert not reached & {"alignflow.flows.stages.rl", "alignflow.flows.stages.critique",
                           "alignflow.flows.stages.registry"}
+
+
+def test_a_docstring_comment_or_layout_change_keeps_the_source_hash_and_code_changes_it(tmp_path):
+    from alignflow.flows.digest import source_hash
+
+    def h(name, text):
+        path = tmp_path / name
+        path.write_text(text)
+        return source_hash(path)
+
+    base = h("a.py", '"""Module."""\n\ndef f(x):\n    """Twice x."""\n    return 2 * x  # double\n')
+    assert h("b.py", '"""Another docstring."""\ndef f(x):\n    return 2*x\n') == base
+    assert h("c.py", 'def f(x):\n    """Only the doc."""\n') != base  # a body that is only a docstring
+    assert h("d.py", '"""Module."""\n\ndef f(x):\n    return 3 * x\n') != base
+    assert h("e.py", 'def f(x):\n    return "2 * x"\n') != base  # a string that is not a docstring counts
+    assert h("data.txt", "bytes") == h("data2.txt", "bytes") != h("data3.txt", "other")
