@@ -163,6 +163,7 @@ def example_site(tmp_path_factory):
     return target
 
 
+@pytest.mark.system
 def test_a_third_party_algorithm_runs_through_the_same_loop(tmp_path, files, example_site, monkeypatch):
     monkeypatch.syspath_prepend(str(example_site))
     import alignflow_plugin_example.plugin as example

@@ -11,6 +11,8 @@ from alignflow.flows.stages.rl import check_ranks, run_rl
 from recording import Samplers
 from test_rl_stage import TestRewards, make_ctx, weights, with_prm, write_rows
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def plugins():

@@ -235,6 +235,7 @@ def test_process_supervised_grpo_needs_a_reward_that_scores_steps(tmp_path, plug
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
 
 
+@pytest.mark.system
 def test_a_third_party_rl_algorithm_is_one_file_and_runs_through_the_stage(tmp_path, plugins, tiny, monkeypatch):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
