@@ -3,8 +3,9 @@
 Tiers (pyproject registers them): `unit` (no server, no subprocess, seconds), `stage` (stages or the tiny model,
 in-process), `system` (Prefect servers, subprocesses, signals, nodes, work pools, ranks). A test's tier is its
 explicit marker (a decorator or a module's `pytestmark`), else `system` when it uses a fixture that starts a server,
-else `stage` when it uses the tiny model, else `unit`. Outside `system`, starting a process fails the test, so a
-test cannot drift into the wrong tier unnoticed. `pytest -m "not system"` is the inner loop; CI runs all.
+else `stage` when it uses the tiny model, else `unit`. Outside `system`, starting a process (other than a library's
+probe of the machine) fails the test, so a test cannot drift out of that tier unnoticed. `pytest -m "not system"`
+is the inner loop; CI runs all.
 """
 
 import os
@@ -71,23 +72,30 @@ def local_mlflow(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
 
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*")}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """`tiny_model(seed=0, **overrides) -> folder`: `build_tiny` once per session for each arguments.
 
-    Tests and stages read the folder and never write into it (a stage writes under its own work folder).
+    Tests and stages only read the folder (a stage writes under its own work folder); the session checks so.
     """
     from alignflow.core.models import build_tiny
 
-    built: dict[tuple, Path] = {}
+    built: dict[tuple, tuple[Path, dict]] = {}
 
     def build(seed: int = 0, **overrides) -> Path:
         key = (seed, tuple(sorted(overrides.items())))
         if key not in built:
-            built[key] = build_tiny(tmp_path_factory.mktemp(f"tiny-{seed}"), seed=seed, **overrides)
-        return built[key]
+            folder = build_tiny(tmp_path_factory.mktemp(f"tiny-{seed}"), seed=seed, **overrides)
+            built[key] = folder, _files(folder)
+        return built[key][0]
 
-    return build
+    yield build
+    changed = [str(folder) for folder, files in built.values() if _files(folder) != files]
+    assert not changed, f"a test wrote into the shared tiny model folders {changed}: copy the folder first"
 
 
 @pytest.fixture

@@ -15,8 +15,9 @@ def prefect_server():
 
 @pytest.fixture(autouse=True)
 def prefect_for_system_tests(request):
-    """The flows' `system` tests run pipelines, deployments and children against the server; no other test starts it."""
-    if request.node.get_closest_marker("system"):
+    """The flows' `system` tests run pipelines, deployments and children against the server; no other test starts
+    it, nor do vLLM's (they run stages directly, in an environment of their own)."""
+    if request.node.get_closest_marker("system") and not request.node.get_closest_marker("vllm"):
         request.getfixturevalue("prefect_server")
 
 

@@ -14,7 +14,7 @@ import alignflow.flows.stages.preference as preference
 import alignflow.flows.stages.rl as rl
 from alignflow.core import hookimpl
 from alignflow.core.adapters import AdaptersOff
-from alignflow.core.models import build_tiny, load_model, load_tokenizer
+from alignflow.core.models import load_model, load_tokenizer
 from alignflow.core.plugins import get_plugins
 from alignflow.core.settings import PolicySettings, RLSettings
 from alignflow.core.spec import StageSpec
@@ -27,10 +27,10 @@ ADAPTERS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("lora")
     data = write_datasets(root / "data")
-    out = {"model": build_tiny(root / "model", seed=0)}
+    out = {"model": tiny_model()}
     for name, n in [("sft", 32), ("pairs", 16)]:
         out[name] = root / f"{name}.jsonl"
         out[name].write_text("\n".join(data[name].read_text().splitlines()[:n]) + "\n")

@@ -9,7 +9,7 @@ import torch
 
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import aggregate
-from alignflow.core.models import build_tiny, load_model
+from alignflow.core.models import load_model
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import Rollout
 from alignflow.core.settings import RLSettings
@@ -207,10 +207,10 @@ def weights(path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_model):
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy CPU: OpenMP's spinning threads slow each step down
-    yield build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+    yield tiny_model()
     torch.set_num_threads(before)
 
 
