@@ -11,6 +11,7 @@ from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import Tracker
 
 
+@pytest.mark.stage
 def test_two_concurrent_runs_of_a_stage_run_it_once(tmp_path, make_project, monkeypatch):
     project = make_project(tmp_path)
     plugins = get_plugins()

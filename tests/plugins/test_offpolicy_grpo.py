@@ -260,6 +260,7 @@ def last_data_state(root):
     return torch.load(path, weights_only=False)["data"]
 
 
+@pytest.mark.system
 def test_overlapped_rollouts_prefetch_the_prompts_the_step_draws(tmp_path, plugins, tiny, data):
     """The worker generates step k+1's fresh prompts while step k trains: the prioritised draw for k+1 must
     already count step k's completions, or the step regenerates instead (staleness 0)."""
