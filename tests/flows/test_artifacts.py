@@ -2,6 +2,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec import load_spec
 from alignflow.flows.artifacts import ArtifactStore, write_json_atomic
