@@ -1,6 +1,106 @@
-"""Before any test imports torch: OpenMP threads sleep while they wait (as `alignflow` sets for its runs), so
-the suite's two-thread processes do not spin against each other on a loaded machine."""
+"""Test tiers and the fixtures every folder shares.
+
+Tiers (pyproject registers them): `unit` (no server, no subprocess, seconds), `stage` (stages or the tiny model,
+in-process), `system` (Prefect servers, subprocesses, signals, nodes, work pools, ranks). A test's tier is its
+explicit marker (a decorator or a module's `pytestmark`), else `system` when it uses a fixture that starts a server,
+else `stage` when it uses the tiny model, else `unit`. Outside `system`, starting a process (other than a library's
+probe of the machine) fails the test, so a test cannot drift out of that tier unnoticed. `pytest -m "not system"`
+is the inner loop; CI runs all.
+"""
 
 import os
 
+# before any test imports torch: OpenMP threads sleep while they wait (as `alignflow` sets for its runs), so
+# the suite's two-thread processes do not spin against each other on a loaded machine
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import multiprocessing.process  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from helpers.tiers import default_tier, tiers_of  # noqa: E402
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if tiers_of(item):
+            continue
+        item.add_marker(default_tier(item))
+
+
+# what libraries run to inspect the machine (DeepSpeed asks numactl for the NUMA layout, MLflow asks git for the
+# commit): quick, no server, no Python; any other process is the `system` tier's
+PROBES = {"numactl", "git", "lscpu", "nvidia-smi", "ldconfig", "uname"}
+
+
+@pytest.fixture(autouse=True)
+def processes_only_in_system_tests(request, monkeypatch):
+    """Outside the `system` tier, starting a process (but a probe) is an error naming the test."""
+    if request.node.get_closest_marker("system"):
+        return
+    execute = subprocess.Popen._execute_child
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it `system` "
+                             "(pytest.mark.system, or a module's pytestmark)")
+
+    def probes_only(self, args, *rest, **kwargs):
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        if Path(os.fsdecode(program).split()[0]).name not in PROBES:
+            refuse()
+        return execute(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", probes_only)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def local_mlflow(monkeypatch):
+    """MLflow goes to the project's SQLite file, never to a server set in the environment."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.rglob("*")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(seed=0, **overrides) -> folder`: `build_tiny` once per session for each arguments.
+
+    Tests and stages only read the folder (a stage writes under its own work folder); the session checks so.
+    """
+    from alignflow.core.models import build_tiny
+
+    built: dict[tuple, tuple[Path, dict]] = {}
+
+    def build(seed: int = 0, **overrides) -> Path:
+        key = (seed, tuple(sorted(overrides.items())))
+        if key not in built:
+            folder = build_tiny(tmp_path_factory.mktemp(f"tiny-{seed}"), seed=seed, **overrides)
+            built[key] = folder, _files(folder)
+        return built[key][0]
+
+    yield build
+    changed = [str(folder) for folder, files in built.values() if _files(folder) != files]
+    assert not changed, f"a test wrote into the shared tiny model folders {changed}: copy the folder first"
+
+
+@pytest.fixture
+def sgd_two_micro_batches() -> dict:
+    """Stage settings: plain SGD over two micro-batches a step, so the weights move by exactly lr x the
+    gradient and two ways of computing the same step (ZeRO stages) must land on the same weights."""
+    return {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
+            "micro_batch_size": 4, "lr_scheduler": "constant"}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "alignflow-plugin-example"
 ALIGNFLOW = [sys.executable, "-m", "alignflow.flows.cli"]

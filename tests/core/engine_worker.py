@@ -1,6 +1,6 @@
 """A tiny training run through `Engine`, run as a script by the multi-process and kill/resume tests.
 
-    python engine_worker.py OUT_DIR --steps 6 [--zero 2] [--kill-after 3] [--grads]
+    python engine_worker.py OUT_DIR --steps 6 [--zero 2] [--kill-after 3] [--grads] [--then OUT_DIR2 ...]
 
 Rank and world come from RANK/WORLD_SIZE/MASTER_* (a one-process group when unset). Rank 0 writes
 `result.pt`: the final weights, the step losses and (with --grads) the
@@ -140,7 +140,8 @@ def run_here(out: Path, **kw) -> dict:
         torch.set_num_threads(threads)
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+    """Run each `OUT [options]` of argv in turn (separated by `--then`): one process start serves several runs."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=6)
@@ -148,11 +149,13 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--kill-after", type=int)
     ap.add_argument("--grads", action="store_true")
-    a = ap.parse_args()
-    result = run(a.out, a.steps, a.zero, a.micro, a.kill_after, a.grads)
-    if torch.distributed.get_rank() == 0:
-        torch.save(result, a.out / "result.pt")
+    starts = [0] + [i + 1 for i, arg in enumerate(argv) if arg == "--then"]
+    for start, end in zip(starts, [*starts[1:], len(argv) + 1], strict=True):
+        a = ap.parse_args(argv[start : end - 1])
+        result = run(a.out, a.steps, a.zero, a.micro, a.kill_after, a.grads)
+        if torch.distributed.get_rank() == 0:
+            torch.save(result, a.out / "result.pt")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -38,6 +38,7 @@ def train(out, steps: int, total: int = 6, resume=True, **settings) -> Engine:
     return engine
 
 
+@pytest.mark.system
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     """SIGKILL after step 3 (last checkpoint: step 2); the resumed run ends exactly where an
     uninterrupted one does, data order and global RNG draws included."""

@@ -181,11 +181,36 @@ def test_bf16_training_lowers_the_loss(zero):
     assert losses[-1] < losses[0] - 0.1
 
 
-def test_two_ranks_equal_one_rank(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks runs both multi-rank trainings in turn: data parallel ("dp"), then ZeRO-2 ("zero2").
+
+    `two_ranks(name)` waits for the ranks and gives that run's result; the tests' one-rank references run
+    meanwhile, as the ranks do.
+    """
+    root = tmp_path_factory.mktemp("two-ranks")
+    procs = launch(2, root / "dp", "--steps", "2", "--grads", "--then", str(root / "zero2"), "--steps", "4",
+                   "--zero", "2")
+    done: list[bool] = []
+
+    def result(name: str) -> dict:
+        if not done:
+            finish(procs, root / "dp")
+            done.append(True)
+        return torch.load(root / name / "result.pt", weights_only=False)
+
+    yield result
+    for p in procs:  # a test that failed before waiting leaves no rank behind
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.system
+def test_two_ranks_equal_one_rank(tmp_path, two_ranks):
     """Data parallel over 2 processes: the gradient the optimizer sees and the weights after it."""
-    procs = launch(2, tmp_path / "two", "--steps", "2", "--grads")
     one = worker.run_here(tmp_path / "one", steps=2, grads=True)  # overlaps with the two processes
-    two = finish(procs, tmp_path / "two")
+    two = two_ranks("dp")
     for name, g in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], g, rtol=1e-6, atol=1e-8)
     for name, w in one["weights"].items():
@@ -193,15 +218,15 @@ def test_two_ranks_equal_one_rank(tmp_path):
     assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-6)
 
 
-def test_zero2_two_ranks_follow_one_rank(tmp_path):
+@pytest.mark.system
+def test_zero2_two_ranks_follow_one_rank(tmp_path, two_ranks):
     """ZeRO-2 over 2 processes trains like 1 process on the same global batch.
 
     The two runs add the same fp32 micro-batch gradients, at most in another order (here they
     agree bit for bit); 1e-5 relative is ~100 ulps of fp32 round-off over 4 Adam steps.
     """
-    procs = launch(2, tmp_path / "two", "--steps", "4", "--zero", "2")
     one = worker.run_here(tmp_path / "one", steps=4, zero=2)
-    two = finish(procs, tmp_path / "two")
+    two = two_ranks("zero2")
     assert len(two["losses"]) == 4
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-7)
     for name, w in one["weights"].items():
@@ -224,6 +249,7 @@ print("shm_op", comm.cdb.shm_comm_op)
 """
 
 
+@pytest.mark.system
 def test_a_cpu_engine_compiles_no_deepspeed_op(tmp_path):
     """A fresh machine's first training stage starts at once: no JIT build of DeepSpeed's shared-memory
     all-reduce (46 s to 5 minutes, under a lock every environment shares) into the extensions folder."""

@@ -9,13 +9,13 @@ from safetensors.torch import load_file
 
 from alignflow.core.errors import AlignflowError
 from alignflow.core.adapters import AdaptersOff, has_adapters, is_adapter_dir, merged_state_dict, with_lora
-from alignflow.core.models import build_tiny, load_model, token_logprobs
+from alignflow.core.models import load_model, token_logprobs
 from alignflow.core.settings import LoraSettings, PolicySettings, TrainSettings
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def base_dir(tiny_model):
+    return tiny_model()
 
 
 def adapted(base_dir, **lora):

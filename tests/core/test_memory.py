@@ -45,6 +45,7 @@ def test_tiny_and_a_real_config_are_counted_without_weights(qwen05):
     assert count_parameters(qwen05, value_head=True).total == QWEN05_PARAMS + 896
 
 
+@pytest.mark.stage
 def test_lora_counts_only_the_adapters(qwen05):
     # r=8 on every linear layer but the head: r x (in + out) each. A layer: q 8x(896+896) = 14,336, k and v
     # 8x(896+128) = 8,192 each, o 14,336, gate and up 8x(896+4864) = 46,080 each, down 46,080: 183,296, x24.

@@ -13,8 +13,8 @@ from alignflow.core.packing import pack_rows, packing_works
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def _batch(tok, texts, side):

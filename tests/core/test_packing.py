@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from alignflow.core import packing
-from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
+from alignflow.core.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.packing import layout, masks_work
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 class NoMasks(torch.nn.Module):

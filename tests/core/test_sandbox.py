@@ -11,6 +11,8 @@ import pytest
 from alignflow.core import sandbox
 from alignflow.core.sandbox import Limits, Sandbox, SandboxError, default_python, processes_of, run_python
 
+pytestmark = pytest.mark.system
+
 FAST = Limits(cpu_s=1, wall_s=3.0, memory_bytes=512 << 20, file_bytes=1 << 20, processes=8, scratch_bytes=4 << 20)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="privilege drop and per-run uids need root")
 NAMESPACES = sandbox.namespaces_available(default_python())

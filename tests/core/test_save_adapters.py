@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file
 
 from alignflow.core.adapters import base_state_dict, is_adapter_dir, merged_state_dict, save_adapters, with_lora
-from alignflow.core.models import build_tiny, load_model, token_logprobs
+from alignflow.core.models import load_model, token_logprobs
 from alignflow.core.settings import LoraSettings
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def base_dir(tiny_model):
+    return tiny_model()
 
 
 def moved(base_dir):

@@ -3,38 +3,23 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 from prefect.testing.utilities import prefect_test_harness
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def prefect_server():
-    """One real ephemeral Prefect server (temporary database) for every flow test."""
+    """One real ephemeral Prefect server (temporary database), started by the first test that needs it."""
     with prefect_test_harness(server_startup_timeout=180):
         yield
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """One intra-op thread: on a busy 2-core box OpenMP's spinning threads make each step 4x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(autouse=True)
-def local_mlflow(monkeypatch):
-    """MLflow goes to the project's SQLite file, never to a server set in the environment."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+def prefect_for_system_tests(request):
+    """The flows' `system` tests run pipelines, deployments and children against the server; no other test starts
+    it, nor do vLLM's (they run stages directly, in an environment of their own)."""
+    if request.node.get_closest_marker("system") and not request.node.get_closest_marker("vllm"):
+        request.getfixturevalue("prefect_server")
 
-
-@pytest.fixture
-def sgd_two_micro_batches() -> dict:
-    """Stage settings: plain SGD over two micro-batches a step, so the weights move by exactly lr x the
-    gradient and two ways of computing the same step (ZeRO stages) must land on the same weights."""
-    return {"lr": 0.5, "optimizer": "sgd", "grad_clip": 0.0, "max_steps": 2, "batch_size": 8,
-            "micro_batch_size": 4, "lr_scheduler": "constant"}
 
 PROMPTS = ["1+1", "2+2", "1+1", "3+3", "4+4", "2+2", "5+5", "6+6", "7+7", "8+8"]
 

@@ -25,6 +25,8 @@ from alignflow.flows.remote_store import CACHE_ENV, LOCK_ENV, RemoteArtifactStor
 from reports import statuses
 from store_race import finish_stage, hold_and_die, race
 
+pytestmark = pytest.mark.system
+
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]

@@ -2,6 +2,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec import load_spec
 from alignflow.flows.artifacts import ArtifactStore, write_json_atomic
@@ -11,6 +13,7 @@ from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import Tracker
 
 
+@pytest.mark.stage
 def test_two_concurrent_runs_of_a_stage_run_it_once(tmp_path, make_project, monkeypatch):
     project = make_project(tmp_path)
     plugins = get_plugins()

@@ -8,7 +8,7 @@ import torch
 
 import alignflow.plugins.bnf
 from alignflow.core.data import collate, load_rows, tokenize
-from alignflow.core.models import build_tiny, load_model, load_tokenizer
+from alignflow.core.models import load_model, load_tokenizer
 from alignflow.core.plugins import Plugins
 from alignflow.core.preference import SequenceLogps, build_batch
 from alignflow.core.settings import TrainSettings
@@ -27,11 +27,11 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model):
     """A tiny model and 16 training, 4 held-out pairs of the task."""
     root = tmp_path_factory.mktemp("bnf")
     lines = write_datasets(root / "data")["pairs"].read_text().splitlines()
-    out = {"model": build_tiny(root / "model", seed=0)}
+    out = {"model": tiny_model()}
     for name, part in [("pairs", lines[:16]), ("eval_pairs", lines[-4:])]:
         out[name] = root / f"{name}.jsonl"
         out[name].write_text("\n".join(part) + "\n")

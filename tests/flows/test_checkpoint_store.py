@@ -12,12 +12,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from alignflow.core import checkpoint, checkpoint_store
 from alignflow.flows.artifacts import open_store
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.remote_store import CACHE_ENV
 from reports import statuses
 from store_race import finish_stage
+
+pytestmark = pytest.mark.system
 
 
 def fake_checkpoint(root: Path, step: int, keep: int = 2) -> Path:

@@ -55,6 +55,7 @@ def context(tmp_path, data, model="builtin:tiny", **settings):
     return ctx, logged
 
 
+@pytest.mark.system
 def test_a_child_gives_the_result_and_metrics_of_a_run_here(tmp_path, data):
     here_ctx, here_logged = context(tmp_path / "here", data, max_steps=4)
     here = run_sft(here_ctx)
@@ -79,6 +80,7 @@ def two_ranks(tmp_path_factory, data):
     return root, logged, run_in_child("sft", ctx, threads=1, ranks=2)
 
 
+@pytest.mark.system
 def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data, two_ranks):
     here_ctx, here_logged = context(tmp_path / "here", data, **TWO_RANKS)
     here = run_sft(here_ctx)
@@ -99,6 +101,7 @@ def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, 
     assert states == {"here": ["rng-rank0.pt"], "ranks": ["rng-rank0.pt", "rng-rank1.pt"]}
 
 
+@pytest.mark.system
 def test_a_stage_two_ranks_checkpointed_resumes_on_two_ranks_only(tmp_path, data, two_ranks):
     ranks_root = two_ranks[0]  # its last checkpoint (step 4) was saved by two processes
     ctx, _ = context(tmp_path / "one", data, **{**TWO_RANKS, "max_steps": 6})
@@ -108,6 +111,7 @@ def test_a_stage_two_ranks_checkpointed_resumes_on_two_ranks_only(tmp_path, data
         run_sft(ctx)
 
 
+@pytest.mark.system
 def test_a_child_raises_what_the_runner_raised(tmp_path, data):
     ctx, _ = context(tmp_path, data, model="builtin:nope", max_steps=2)
     with pytest.raises(SpecError, match="unknown built-in model 'nope'") as info:
@@ -115,6 +119,7 @@ def test_a_child_raises_what_the_runner_raised(tmp_path, data):
     assert any("in the stage's process" in note for note in info.value.__notes__)
 
 
+@pytest.mark.system
 def test_a_killed_child_is_a_clear_failure(tmp_path, data):
     ctx, _ = context(tmp_path, data, max_steps=100_000)
     outcome = {}
@@ -148,6 +153,7 @@ os._exit(0)  # the pipeline process dies without cleaning up
 """
 
 
+@pytest.mark.system
 def test_a_child_stops_when_the_pipeline_process_dies(tmp_path, data):
     script = ORPHAN.format(tests=str(Path(__file__).parent), root=str(tmp_path), data=str(data))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,

@@ -57,6 +57,7 @@ def pipeline(tmp_path):
     return write
 
 
+@pytest.mark.system
 def test_version():
     out = subprocess.run([ALIGNFLOW, "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("alignflow 0.")

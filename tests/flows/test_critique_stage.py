@@ -10,7 +10,6 @@ import pytest
 import alignflow.plugins.dpo
 import alignflow.plugins.hf
 from alignflow.core.errors import DataError, SpecError
-from alignflow.core.models import build_tiny
 from alignflow.core.plugins import Plugins
 from alignflow.core.settings import CritiqueSettings, TrainSettings
 from alignflow.core.spec import parse_spec
@@ -18,6 +17,7 @@ from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.critique import Revised, build_rows, run_critique_revise
 from alignflow.flows.stages.preference import run_preference
+from helpers.stages import stage_context
 from test_rejection_stage import Rewards, even
 
 ROWS = [{"prompt": "p0", "answer": "0"}, {"prompt": "p1", "answer": "1"}]
@@ -85,13 +85,18 @@ def test_the_default_templates_are_the_cai_requests():
 PRINCIPLES = ["Check every carry.", "Check every borrow.", "Answer in digits."]
 
 
-def files(tmp_path, prompts: int = 6) -> dict:
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
-                            for a in range(prompts)))
-    constitution = tmp_path / "constitution.txt"
-    constitution.write_text("# principles\n" + "\n\n".join(PRINCIPLES) + "\n")
-    return {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data, "constitution": constitution}
+@pytest.fixture
+def files(tmp_path, tiny_model):
+    """`files(prompts=6)`: the tiny model (seed 1), `prompts` prompt rows and the constitution."""
+    def make(prompts: int = 6) -> dict:
+        data = tmp_path / "prompts.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                                for a in range(prompts)))
+        constitution = tmp_path / "constitution.txt"
+        constitution.write_text("# principles\n" + "\n\n".join(PRINCIPLES) + "\n")
+        return {"model": tiny_model(seed=1), "dataset": data, "constitution": constitution}
+
+    return make
 
 
 def plugins() -> Plugins:
@@ -105,14 +110,12 @@ def critique_context(tmp_path, inputs, name, rewards=("even_start",), **settings
     spec = parse_spec({"name": "cai", "stages": {"cai": {
         "kind": "critique_revise", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": list(rewards),
         "settings": settings}}}, plugins=plugins())
-    stage = spec.stages["cai"]
-    (tmp_path / name).mkdir()
-    return StageContext("cai", stage, CritiqueSettings.model_validate(stage.settings), inputs, tmp_path / name,
-                        tmp_path / f"ckpt-{name}", 7, lambda m, s: None, plugins())
+    return stage_context(tmp_path, spec, settings_model=CritiqueSettings, inputs=inputs, seed=7, plugins=plugins(),
+                         work=name, checkpoints=f"ckpt-{name}")
 
 
-def test_stage_writes_seeded_pairs_that_a_dpo_stage_trains_on(tmp_path, one_thread):
-    inputs = files(tmp_path)
+def test_stage_writes_seeded_pairs_that_a_dpo_stage_trains_on(tmp_path, files, one_thread):
+    inputs = files()
     settings = {"n": 2, "revisions": 2, "generation": {"max_new_tokens": 6},
                 "critique_template": "{prompt}{completion} {principle}\n{prompt}",
                 "revision_template": "{prompt}{completion} {critique}\n{prompt}"}
@@ -140,17 +143,14 @@ def test_stage_writes_seeded_pairs_that_a_dpo_stage_trains_on(tmp_path, one_thre
         "kind": "preference", "inputs": {"model": str(inputs["model"]), "dataset": str(result.outputs["dataset"])},
         "algorithm": "dpo", "settings": {"lr": 1e-3, "max_steps": 1, "batch_size": 4, "micro_batch_size": 2,
                                          "max_length": 64, "log_every": 1}}}}, plugins=plugins())
-    stage = spec.stages["dpo"]
-    (tmp_path / "dpo").mkdir()
-    ctx = StageContext("dpo", stage, TrainSettings.model_validate(stage.settings),
-                       {"model": inputs["model"], "dataset": result.outputs["dataset"]}, tmp_path / "dpo",
-                       tmp_path / "ckpt-dpo", 0, lambda metrics, step: logged.append(metrics), plugins())
-    run_preference(ctx)
+    run_preference(stage_context(tmp_path, spec, settings_model=TrainSettings, plugins=plugins(), work="dpo",
+                                 inputs={"model": inputs["model"], "dataset": result.outputs["dataset"]},
+                                 checkpoints="ckpt-dpo", log_metrics=lambda metrics, step: logged.append(metrics)))
     assert next(x for x in logged if "loss" in x)["loss"] == pytest.approx(math.log(2), abs=1e-5)
 
 
-def test_improved_keeps_only_revisions_the_reward_scores_higher(tmp_path, one_thread):
-    inputs = files(tmp_path, prompts=8)
+def test_improved_keeps_only_revisions_the_reward_scores_higher(tmp_path, files, one_thread):
+    inputs = files(prompts=8)
     result = run_critique_revise(critique_context(tmp_path, inputs, "a", n=2, keep="improved", output="sft",
                                                   generation={"max_new_tokens": 4}))
     rows = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
@@ -159,8 +159,8 @@ def test_improved_keeps_only_revisions_the_reward_scores_higher(tmp_path, one_th
     assert all((r["score"], r["original_score"]) == (1.0, 0.0) for r in rows)
 
 
-def test_without_rewards_prompts_alone_do_and_rows_carry_no_scores(tmp_path, one_thread):
-    inputs = files(tmp_path, prompts=3)
+def test_without_rewards_prompts_alone_do_and_rows_carry_no_scores(tmp_path, files, one_thread):
+    inputs = files(prompts=3)
     inputs["dataset"].write_text("".join(json.dumps({"prompt": f"{a}+{a}="}) + "\n" for a in range(3)))
     result = run_critique_revise(critique_context(tmp_path, inputs, "a", rewards=(), output="sft",
                                                   generation={"max_new_tokens": 4}))
@@ -169,8 +169,8 @@ def test_without_rewards_prompts_alone_do_and_rows_carry_no_scores(tmp_path, one
     assert result.metrics["rows_written"] == 3 and "improved_share" not in result.metrics
 
 
-def test_improved_without_rewards_and_a_bad_constitution_fail_before_any_sampling(tmp_path):
-    inputs = files(tmp_path)
+def test_improved_without_rewards_and_a_bad_constitution_fail_before_any_sampling(tmp_path, files):
+    inputs = files()
     with pytest.raises(SpecError, match="stage 'cai', settings.keep: 'improved' compares the rewards' scores"):
         run_critique_revise(critique_context(tmp_path, inputs, "a", rewards=(), keep="improved"))
     inputs["constitution"].write_text("# nothing yet\n")

@@ -2,9 +2,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from alignflow.core.spec import parse_spec
 from alignflow.flows.data import needs_data, regenerate_data
 from alignflow.flows.digest import data_version
+
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[2]
 

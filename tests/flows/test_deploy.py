@@ -11,8 +11,11 @@ from pathlib import Path
 
 from prefect import get_client
 from prefect.settings import PREFECT_API_URL
+import pytest
 
 from alignflow.flows.cli import main
+
+pytestmark = pytest.mark.system
 
 PIPELINE = """
 name: nightly-select

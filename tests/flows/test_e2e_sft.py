@@ -75,7 +75,7 @@ def task_states(flow_run_id: str) -> dict[str, str]:
     return {r.name: r.state.name for r in runs}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

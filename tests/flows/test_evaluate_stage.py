@@ -7,12 +7,11 @@ import pytest
 
 import alignflow.plugins.hf
 from alignflow.core import SpecError, hookimpl
-from alignflow.core.models import build_tiny
 from alignflow.core.plugins import Plugins
 from alignflow.core.settings import EvaluateSettings
 from alignflow.core.spec import parse_spec
-from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import run_evaluate
+from helpers.stages import stage_context
 
 
 def even_length(prompts, completions, **_):
@@ -41,8 +40,7 @@ def plugins():
     return p
 
 
-def evaluate(tmp_path, plugins, rows, best_of=("vowels",)):
-    model = build_tiny(tmp_path / "model", seed=1)
+def evaluate(tmp_path, plugins, model, rows, best_of=("vowels",)):
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = parse_spec({"name": "e", "stages": {"eval": {
@@ -50,16 +48,12 @@ def evaluate(tmp_path, plugins, rows, best_of=("vowels",)):
         "rewards": ["even_length", {"name": "vowels", "weight": 0}],
         "settings": {"n": 4, "k": [1, 2, 4], "best_of": list(best_of),
                      "generation": {"max_new_tokens": 6, "temperature": 1.0}}}}}, plugins=plugins)
-    stage = spec.stages["eval"]
-    ctx = StageContext("eval", stage, EvaluateSettings.model_validate(stage.settings), stage.inputs,
-                       tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, plugins)
-    ctx.work_dir.mkdir()
-    return run_evaluate(ctx)
+    return run_evaluate(stage_context(tmp_path, spec, settings_model=EvaluateSettings, plugins=plugins))
 
 
-def test_metrics_match_the_written_samples(tmp_path, plugins):
+def test_metrics_match_the_written_samples(tmp_path, plugins, tiny_model):
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a), "level": 1 + a % 2} for a in range(6)]
-    result = evaluate(tmp_path, plugins, rows)
+    result = evaluate(tmp_path, plugins, tiny_model(seed=1), rows)
 
     samples = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
     assert len(samples) == 6 * 4
@@ -78,10 +72,10 @@ def test_metrics_match_the_written_samples(tmp_path, plugins):
     assert m["best_of_4/vowels"] == pytest.approx(sum(s["correct"] for s in picks) / 6)
 
 
-def test_best_of_must_name_one_of_the_stages_rewards(tmp_path, plugins):
+def test_best_of_must_name_one_of_the_stages_rewards(tmp_path, plugins, tiny_model):
     with pytest.raises(SpecError, match=r"settings.best_of: 'vowel' is not one of the stage's rewards "
                                         r"\(even_length, vowels\)"):
-        evaluate(tmp_path, plugins, [{"prompt": "1+1=", "answer": "2"}], best_of=["vowel"])
+        evaluate(tmp_path, plugins, tiny_model(seed=1), [{"prompt": "1+1=", "answer": "2"}], best_of=["vowel"])
 
 
 def test_evaluate_rejects_rejection_sampling_settings():

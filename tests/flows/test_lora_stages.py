@@ -14,23 +14,24 @@ import alignflow.flows.stages.preference as preference
 import alignflow.flows.stages.rl as rl
 from alignflow.core import hookimpl
 from alignflow.core.adapters import AdaptersOff
-from alignflow.core.models import build_tiny, load_model, load_tokenizer
-from alignflow.core.plugins import get_plugins
+from alignflow.core.models import load_model, load_tokenizer
 from alignflow.core.settings import PolicySettings, RLSettings
 from alignflow.core.spec import StageSpec
 from alignflow.core.task import write_datasets
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.offline import split_rows
 from alignflow.flows.stages.sft import run_sft
+from helpers.plugins import registered
+from helpers.stages import no_metrics, stage_context
 
 ADAPTERS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("lora")
     data = write_datasets(root / "data")
-    out = {"model": build_tiny(root / "model", seed=0)}
+    out = {"model": tiny_model()}
     for name, n in [("sft", 32), ("pairs", 16)]:
         out[name] = root / f"{name}.jsonl"
         out[name].write_text("\n".join(data[name].read_text().splitlines()[:n]) + "\n")
@@ -54,10 +55,8 @@ class Rewards:
 
 @pytest.fixture(scope="module")
 def plugins():
-    p = get_plugins()
-    p.add(Rewards, "test_lora_stages")
-    yield p
-    p.remove("test_lora_stages")
+    with registered(Rewards, "test_lora_stages") as p:
+        yield p
 
 
 @pytest.fixture(autouse=True)
@@ -71,11 +70,9 @@ def no_frozen_copy(monkeypatch):
 
 def context(tmp_path, kind, spec: dict, settings, log=None) -> StageContext:
     stage = StageSpec(kind=kind, **spec)
-    work = tmp_path / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    record = (lambda m, step: log.append((step, m))) if log is not None else (lambda m, step: None)
-    return StageContext(kind, stage, settings, {k: Path(v) for k, v in stage.inputs.items()}, work,
-                        tmp_path / "checkpoints", 0, record, get_plugins())
+    record = (lambda m, step: log.append((step, m))) if log is not None else no_metrics
+    return stage_context(tmp_path, stage, kind, settings=settings, log_metrics=record,
+                         inputs={k: Path(v) for k, v in stage.inputs.items()})
 
 
 def sft_ctx(tmp_path, files, **lora):

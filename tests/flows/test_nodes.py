@@ -25,6 +25,8 @@ from alignflow.flows.nodes import LAUNCHER_VARS, NNODES_ENV, NODE_RANK_ENV, RDZV
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import descendants
 
+pytestmark = pytest.mark.system
+
 # sft trains 4 steps of 8 rows, 4 a rank; sft_long, after it, trains until a test kills a rank.
 SFT = """
   sft:

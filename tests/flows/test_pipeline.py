@@ -11,6 +11,8 @@ from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.tracking import tracking_uri
 from reports import statuses
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, make_project):

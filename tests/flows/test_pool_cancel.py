@@ -12,6 +12,8 @@ from prefect.states import Completed
 from alignflow.flows import shutdown
 from alignflow.flows.remote import deploy_stage_flow
 
+pytestmark = pytest.mark.system
+
 
 def send(deployment: str, stage: str, pipeline_run: str):
     """A stage's flow run as run_on_pool creates it (no worker on the pool: it stays Scheduled)."""

@@ -15,7 +15,7 @@ import alignflow.plugins.dpo
 import alignflow.plugins.kto
 import alignflow.plugins.orpo
 from alignflow.core.data import collate, load_rows, tokenize
-from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
+from alignflow.core.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import Plugins
 from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
@@ -30,11 +30,11 @@ SETTINGS = {"lr": 1e-3, "max_steps": 4, "batch_size": 4, "micro_batch_size": 2, 
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, tiny_model):
     """A tiny model and small slices of the task's pairwise and unpaired data."""
     root = tmp_path_factory.mktemp("pref")
     data = write_datasets(root / "data")
-    out = {"model": build_tiny(root / "model", seed=0)}
+    out = {"model": tiny_model()}
     for name, src, n in [("pairs", "pairs", 16), ("eval_pairs", "pairs", 4), ("unpaired", "unpaired", 8)]:
         lines = data[src].read_text().splitlines()
         lines = lines[-n:] if name == "eval_pairs" else lines[:n]
@@ -163,6 +163,7 @@ def example_site(tmp_path_factory):
     return target
 
 
+@pytest.mark.system
 def test_a_third_party_algorithm_runs_through_the_same_loop(tmp_path, files, example_site, monkeypatch):
     monkeypatch.syspath_prepend(str(example_site))
     import alignflow_plugin_example.plugin as example

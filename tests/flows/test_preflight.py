@@ -81,6 +81,7 @@ def test_settings_ranges_of_every_stage_at_once(project):
         project, "rl.settings.batch_size=4")
 
 
+@pytest.mark.system
 def test_spec_problems_are_shown_before_plugin_code_or_torch_loads(project):
     # In a fresh process: the first pass must not import torch (3+ s on a loaded machine), and the
     # plugin pass still runs after it, so a bad plugin config is reported in the same run.
@@ -122,6 +123,7 @@ def test_a_hub_id_is_recognised_by_its_form(project):
             resolve_input(local, project)
 
 
+@pytest.mark.system
 def test_the_cli_reports_yaml_and_input_errors_before_prefect_starts(project):
     (project / "broken.yaml").write_text("name: x\nstages:\n  a: [\n")
     done = subprocess.run([ALIGNFLOW, "run", "broken.yaml"], cwd=project, capture_output=True, text=True)

@@ -13,7 +13,7 @@ import alignflow.plugins.math_shepherd
 import alignflow.plugins.pqm
 from alignflow.core import Sampler, hookimpl
 from alignflow.core.data import IGNORE_INDEX
-from alignflow.core.models import build_tiny, load_value_model, token_values
+from alignflow.core.models import load_value_model, token_values
 from alignflow.core.plugins import Plugins
 from alignflow.core.rewards import RewardOutput
 from alignflow.core.sampling import Generation
@@ -99,12 +99,12 @@ class Plugs:
         register("scripted", Scripted)
 
 
-def label_stage(tmp_path, reward, label, name="labels", prompts=4, ranks=None):
+def label_stage(tmp_path, model, reward, label, name="labels", prompts=4, ranks=None):
     """Run a step_labels stage here, or in `ranks` data-parallel children."""
     plugs = Plugins()
     plugs.add(Plugs, "plugs")
     data = write(tmp_path / "prompts.jsonl", [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(prompts)])
-    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
+    inputs = {"model": model, "dataset": data}
     spec = parse_spec({"name": "sl", "stages": {"sl": {
         "kind": "step_labels", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": [reward],
         "sampler": "scripted", "settings": {"n": 3, "rollouts": 4, "label": label, "step_separator": "1"}}}},
@@ -122,10 +122,10 @@ def even(char: str) -> float:
 
 
 @pytest.mark.parametrize("label", ["hard", "soft"])
-def test_a_step_is_labelled_by_its_rollouts_and_the_last_step_by_the_outcome(tmp_path, label):
+def test_a_step_is_labelled_by_its_rollouts_and_the_last_step_by_the_outcome(tmp_path, label, tiny_model):
     # starts_even judges a completion of a prefix by the prefix's first character, so every rollout of a
     # prefix agrees and the labels are exactly knowable: the parity of the first step's first character.
-    result = label_stage(tmp_path, "starts_even", label)
+    result = label_stage(tmp_path, tiny_model(seed=1), "starts_even", label)
     rows = rows_of(result)
     assert rows and any(len(r["steps"]) > 1 for r in rows)
     for r in rows:
@@ -135,25 +135,26 @@ def test_a_step_is_labelled_by_its_rollouts_and_the_last_step_by_the_outcome(tmp
     assert len({(r["prompt"], r["completion"]) for r in rows}) == len(rows)  # distinct solutions only
 
 
-def test_soft_labels_are_shares_of_rollouts_hard_labels_are_any_and_both_are_seeded(tmp_path):
-    soft = label_stage(tmp_path, "ends_even", "soft", "soft")
+def test_soft_labels_are_shares_of_rollouts_hard_labels_are_any_and_both_are_seeded(tmp_path, tiny_model):
+    soft = label_stage(tmp_path, tiny_model(seed=1), "ends_even", "soft", "soft")
     shares = {v * 4 for r in rows_of(soft) for v in r["step_labels"][:-1]}
     assert shares <= {0, 1, 2, 3, 4} and len(shares) > 2  # a share of 4 rollouts, not always 0 or 1
-    assert label_stage(tmp_path, "ends_even", "soft", "again").outputs["dataset"].read_text() == \
+    assert label_stage(tmp_path, tiny_model(seed=1), "ends_even", "soft", "again").outputs["dataset"].read_text() == \
         soft.outputs["dataset"].read_text()
-    hard = rows_of(label_stage(tmp_path, "ends_even", "hard", "hard"))
+    hard = rows_of(label_stage(tmp_path, tiny_model(seed=1), "ends_even", "hard", "hard"))
     assert [r["completion"] for r in hard] == [r["completion"] for r in rows_of(soft)]  # the same solutions
     assert {v for r in hard for v in r["step_labels"]} == {0, 1}
     for r in hard:  # a correct solution is itself a correct completion of each of its prefixes
         assert not r["correct"] or r["step_labels"] == [1] * len(r["steps"])
 
 
-def test_two_ranks_label_what_one_process_does(tmp_path, monkeypatch):
+@pytest.mark.system
+def test_two_ranks_label_what_one_process_does(tmp_path, monkeypatch, tiny_model):
     """100 prompts: two chunks of solutions and several of prefixes to roll out, shared by two ranks that
     each judge their own rollouts; rank 0 writes the rows one process writes, byte for byte."""
-    one = label_stage(tmp_path, "ends_even", "soft", "one", prompts=100, ranks=1)
+    one = label_stage(tmp_path, tiny_model(seed=1), "ends_even", "soft", "one", prompts=100, ranks=1)
     monkeypatch.setenv("CALLS_FILE", str(tmp_path / "calls"))
-    two = label_stage(tmp_path, "ends_even", "soft", "two", prompts=100, ranks=2)
+    two = label_stage(tmp_path, tiny_model(seed=1), "ends_even", "soft", "two", prompts=100, ranks=2)
     calls = [line.split() for line in (tmp_path / "calls").read_text().splitlines()]
     assert ["1", "36"] in calls  # rank 1 sampled the second chunk of solutions, prompts 64-99
     assert {rank for rank, _ in calls} == {"0", "1"} and sum(rank == "1" for rank, _ in calls) > 1
@@ -170,12 +171,12 @@ def step_rows(n: int, offset: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("algorithm", ["math_shepherd", "pqm"])
-def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(tmp_path, algorithm):
+def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(tmp_path, algorithm, tiny_model):
     plugs = Plugins()
     plugs.add(alignflow.plugins.math_shepherd, "math_shepherd")
     plugs.add(alignflow.plugins.pqm, "pqm")
     held_out = step_rows(8, 100)
-    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "t.jsonl", step_rows(32, 0)),
+    inputs = {"model": tiny_model(), "dataset": write(tmp_path / "t.jsonl", step_rows(32, 0)),
               "eval_dataset": write(tmp_path / "e.jsonl", held_out)}
     spec = parse_spec({"name": "prm", "stages": {"prm": {
         "kind": "prm", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": algorithm,
@@ -216,11 +217,11 @@ def test_prm_stage_learns_step_labels_and_the_reward_scores_what_it_trained_on(t
     assert len(reward.step_scores(["100="], ["ay bbbbbbn"])[0]) == 2
 
 
-def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches):
+def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches, tiny_model):
     """Two micro-batches a step (SGD, so weights move by exactly lr x the gradient): ZeRO-3 = ZeRO-0."""
     plugs = Plugins()
     plugs.add(alignflow.plugins.math_shepherd, "math_shepherd")
-    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "t.jsonl", step_rows(16, 0))}
+    inputs = {"model": tiny_model(), "dataset": write(tmp_path / "t.jsonl", step_rows(16, 0))}
     out = {}
     for zero in (0, 3):
         spec = parse_spec({"name": "prm", "stages": {"prm": {
@@ -235,9 +236,9 @@ def test_prm_stage_under_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_bat
         torch.testing.assert_close(out[3][k], out[0][k], rtol=1e-4, atol=1e-6)
 
 
-def test_the_reward_refuses_a_model_without_a_step_separator(tmp_path):
+def test_the_reward_refuses_a_model_without_a_step_separator(tiny_model):
     with pytest.raises(ValueError, match="no step_separator"):
-        ProcessReward(ProcessReward.Config(path=str(build_tiny(tmp_path / "lm"))))
+        ProcessReward(ProcessReward.Config(path=str(tiny_model())))
 
 
 # --- best-of-n --------------------------------------------------------------------------------

@@ -6,15 +6,14 @@ import pytest
 
 import alignflow.plugins.hf
 from alignflow.core import hookimpl
-from alignflow.core.models import build_tiny
 from alignflow.core.plugins import Plugins
 from alignflow.core.rewards import RewardOutput
 from alignflow.core.sampling import Generation
 from alignflow.core.settings import SampleSettings
 from alignflow.core.spec import parse_spec
-from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rejection import run_rejection_sampling, select_rows
 from alignflow.flows.stages.scoring import Scored
+from helpers.stages import stage_context
 from recording import Samplers, record
 
 
@@ -86,7 +85,7 @@ class Rewards:
         register("even_start", even_start)
 
 
-def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):
+def rs_context(tmp_path, model, prompts: int, sampler: str = "hf", **settings):
     """A function of a folder name: a rejection_sampling context on the tiny model, `prompts` prompts."""
     plugs = Plugins()
     plugs.add(alignflow.plugins.hf, "hf")
@@ -94,23 +93,21 @@ def stage_context(tmp_path, prompts: int, sampler: str = "hf", **settings):
     plugs.add(Rewards, "rewards")
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n" for a in range(prompts)))
-    inputs = {"model": build_tiny(tmp_path / "model", seed=1), "dataset": data}
+    inputs = {"model": model, "dataset": data}
     spec = parse_spec({"name": "rs", "stages": {"rs": {
         "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
         "sampler": sampler, "settings": settings}}}, plugins=plugs)
-    stage = spec.stages["rs"]
 
     def context(name):
-        (tmp_path / name).mkdir()
-        return StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / name,
-                            tmp_path / f"ckpt-{name}", 7, lambda m, s: None, plugs)
+        return stage_context(tmp_path, spec, settings_model=SampleSettings, inputs=inputs, seed=7, plugins=plugs,
+                             work=name, checkpoints=f"ckpt-{name}")
 
     return context
 
 
 @pytest.mark.parametrize("output", ["sft", "pairs", "self_play"])
-def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
-    context = stage_context(tmp_path, 6, n=4, output=output, generation={"max_new_tokens": 6})
+def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output, tiny_model):
+    context = rs_context(tmp_path, tiny_model(seed=1), 6, n=4, output=output, generation={"max_new_tokens": 6})
 
     def run(name):
         return run_rejection_sampling(context(name))
@@ -133,12 +130,13 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output):
     assert 0 < m["accuracy"] < 1
 
 
-def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch):
+@pytest.mark.system
+def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch, tiny_model):
     """130 prompts are three seeded chunks of 64: rank 0 samples and scores chunks 0 and 2, rank 1 chunk 1,
     and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
     from alignflow.flows.child import run_in_child
 
-    context = stage_context(tmp_path, 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
+    context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
     results, calls = {}, {}
     for ranks in (1, 2):
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))

@@ -43,7 +43,7 @@ stages:
 """
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("one_thread")]
 
 
 def child_env() -> dict[str, str]:

@@ -11,11 +11,10 @@ from safetensors.torch import load_file
 
 import alignflow.plugins.bradley_terry
 from alignflow.core.plugins import Plugins
-from alignflow.core.models import build_tiny
 from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
-from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.reward_model import run_reward_model
+from helpers.stages import stage_context
 from alignflow.plugins.reward_model import RewardModel
 
 
@@ -30,22 +29,19 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path):
+def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path, tiny_model):
     plugs = Plugins()
     plugs.add(alignflow.plugins.bradley_terry, "bradley_terry")
     held_out = pairs(8, 100)
-    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "train.jsonl", pairs(32, 0)),
+    inputs = {"model": tiny_model(), "dataset": write(tmp_path / "train.jsonl", pairs(32, 0)),
               "eval_dataset": write(tmp_path / "eval.jsonl", held_out)}
     spec = parse_spec({"name": "rm", "stages": {"rm": {
         "kind": "reward_model", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "bradley_terry",
         "settings": {"lr": 3e-3, "max_steps": 8, "batch_size": 8, "micro_batch_size": 4, "max_length": 64,
                      "log_every": 1, "lr_scheduler": "constant"}}}}, plugins=plugs)
-    stage = spec.stages["rm"]
     logged = []
-    (tmp_path / "work").mkdir()
-    ctx = StageContext("rm", stage, TrainSettings.model_validate(stage.settings), inputs, tmp_path / "work",
-                       tmp_path / "checkpoints", 0, lambda m, s: logged.append((s, m)), plugs)
-    result = run_reward_model(ctx)
+    result = run_reward_model(stage_context(tmp_path, spec, settings_model=TrainSettings, inputs=inputs, plugins=plugs,
+                                            log_metrics=lambda m, s: logged.append((s, m))))
 
     # a causal LM's fresh head is zero, so every score is 0 and each pair loses -log sigma(0 - margin)
     first = next(m for s, m in logged if s == 1)
@@ -61,23 +57,20 @@ def test_trained_model_loads_in_the_reward_and_ranks_held_out_pairs(tmp_path):
     assert result.headline == "eval/accuracy"
 
 
-def test_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches):
+def test_zero3_takes_the_zero0_steps(tmp_path, sgd_two_micro_batches, tiny_model):
     """Two micro-batches a step under ZeRO-3 give ZeRO-0's update. SGD: the weights move by exactly
     lr x the gradient (Adam's first steps move near-zero gradients by ~lr either way). Before the value
     model ran through the engine's forward, ZeRO-3 moved the score head a third off."""
     plugs = Plugins()
     plugs.add(alignflow.plugins.bradley_terry, "bradley_terry")
-    inputs = {"model": build_tiny(tmp_path / "base", seed=0), "dataset": write(tmp_path / "train.jsonl", pairs(16, 0))}
+    inputs = {"model": tiny_model(), "dataset": write(tmp_path / "train.jsonl", pairs(16, 0))}
     out = {}
     for zero in (0, 3):
         spec = parse_spec({"name": "rm", "stages": {"rm": {
             "kind": "reward_model", "inputs": {k: str(v) for k, v in inputs.items()}, "algorithm": "bradley_terry",
             "settings": {**sgd_two_micro_batches, "max_length": 64, "zero_stage": zero}}}}, plugins=plugs)
-        stage = spec.stages["rm"]
         run = tmp_path / f"zero{zero}"  # the engine keeps its checkpoints beside checkpoint_dir
-        (run / "work").mkdir(parents=True)
-        ctx = StageContext("rm", stage, TrainSettings.model_validate(stage.settings), inputs, run / "work",
-                           run / "checkpoints", 0, lambda m, s: None, plugs)
+        ctx = stage_context(run, spec, settings_model=TrainSettings, inputs=inputs, plugins=plugs)
         out[zero] = load_file(run_reward_model(ctx).outputs["model"] / "model.safetensors")
     assert out[0].keys() == out[3].keys() and "score.weight" in out[0]
     for k in out[0]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from alignflow.core import SpecError, hookimpl
-from alignflow.core.models import build_tiny, load_model, load_tokenizer
+from alignflow.core.models import load_model, load_tokenizer
 from alignflow.core.plugins import get_plugins
 from alignflow.core.settings import RLSettings
 from alignflow.core.spec import StageSpec, parse_spec
@@ -39,8 +39,8 @@ def plugins():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 PROMPTS = [f"{i}+{i}=" for i in range(4)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from alignflow.core import hookimpl
-from alignflow.core.models import build_tiny, load_model, load_tokenizer, token_logprobs
+from alignflow.core.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rewards import Reward, RewardSet
 from alignflow.core.settings import RLSettings
@@ -32,8 +32,8 @@ def easy_or_hinted(prompts, completions, answer, **columns):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def rows():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from alignflow.core import hookimpl
-from alignflow.core.models import build_tiny, load_model
+from alignflow.core.models import load_model
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import PolicyGradient, Rollout
 from alignflow.core.settings import RLSettings
@@ -41,8 +41,8 @@ def plugins():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def rollout(groups, advantages_rows, guided=None):

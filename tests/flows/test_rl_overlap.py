@@ -31,6 +31,7 @@ def run(tmp_path, plugins, tiny, **settings):
     return run_rl(ctx), [m for _, m in log[:-1]]
 
 
+@pytest.mark.system
 def test_with_fixed_weights_the_overlapped_rollouts_are_the_synchronous_ones(tmp_path, plugins, tiny, one_thread):
     """lr 0: the worker's rounds (on staged weights, same seeds) are exactly what the stage would generate."""
     _, sync = run(tmp_path / "sync", plugins, tiny, lr=0.0)
@@ -41,6 +42,7 @@ def test_with_fixed_weights_the_overlapped_rollouts_are_the_synchronous_ones(tmp
         assert [m[key] for m in overlapped] == [m[key] for m in sync], key
 
 
+@pytest.mark.system
 def test_overlapped_rollouts_are_one_step_off_policy_and_still_learn(tmp_path, plugins, tiny, one_thread):
     """Each round after the first comes from the weights before the last update: the trainer's log-probs
     of its tokens then differ from the sampler's (the ratio corrects for it), and GRPO still learns."""
@@ -59,6 +61,7 @@ def test_overlapped_rollouts_are_one_step_off_policy_and_still_learn(tmp_path, p
     assert p_ascii(result.outputs["model"]) > p_ascii(tiny) + 0.1
 
 
+@pytest.mark.system
 def test_a_worker_that_dies_is_an_error_not_a_hang(tiny):
     model, tok = load_model(tiny), load_tokenizer(tiny)
     inner = HFSampler()

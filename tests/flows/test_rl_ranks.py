@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from alignflow.core import SpecError
-from alignflow.core.models import build_tiny
 from alignflow.core.plugins import get_plugins
 from alignflow.flows.child import run_in_child
 from alignflow.flows.stages.rl import check_ranks, run_rl
 from recording import Samplers
 from test_rl_stage import TestRewards, make_ctx, weights, with_prm, write_rows
+
+pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +24,8 @@ def plugins():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 @pytest.mark.parametrize("algorithm,zero", [("ppo", 0), ("ppo", 2), ("ppo_process", 0)])

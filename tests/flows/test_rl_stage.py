@@ -51,8 +51,8 @@ def plugins():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def write_rows(path, answers):
@@ -235,6 +235,7 @@ def test_process_supervised_grpo_needs_a_reward_that_scores_steps(tmp_path, plug
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
 
 
+@pytest.mark.system
 def test_a_third_party_rl_algorithm_is_one_file_and_runs_through_the_stage(tmp_path, plugins, tiny, monkeypatch):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",

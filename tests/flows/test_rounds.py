@@ -63,7 +63,7 @@ stages:
 """
 ROUND_3 = ["prompts", "draw.r1", "train.r1", "draw.r2", "train.r2", "draw.r3", "train.r3", "last"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("one_thread")]
 
 
 def manifest(report, name: str) -> dict:

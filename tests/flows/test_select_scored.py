@@ -11,8 +11,8 @@ from alignflow.core import DataError, SpecError, hookimpl
 from alignflow.core.plugins import Plugins
 from alignflow.core.settings import SelectSettings
 from alignflow.core.spec import parse_spec
-from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.select import run_select
+from helpers.stages import stage_context
 
 SEEN: list[dict] = []
 
@@ -50,11 +50,8 @@ def select(tmp_path, plugins, rows, rewards, selectors):
     spec = parse_spec({"name": "s", "stages": {"pick": {
         "kind": "select", "inputs": {"dataset": str(data)}, "rewards": rewards, "selectors": selectors}}},
         plugins=plugins)
-    stage = spec.stages["pick"]
-    ctx = StageContext("pick", stage, SelectSettings.model_validate(stage.settings), {"dataset": data},
-                       tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, plugins)
-    ctx.work_dir.mkdir()
-    result = run_select(ctx)
+    result = run_select(stage_context(tmp_path, spec, settings_model=SelectSettings, inputs={"dataset": data},
+                                      plugins=plugins))
     return result, [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
 
 

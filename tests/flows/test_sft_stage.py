@@ -6,12 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignflow.core.plugins import get_plugins
 from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
-from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.sft import run_sft
+from helpers.stages import stage_context
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +26,7 @@ def run(tmp_path, data, name, **settings):
     spec = parse_spec({"name": "s", "stages": {"sft": {
         "kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": str(data)}, "algorithm": "sft",
         "settings": {"lr": 1e-3, "max_length": 64, "save_every": 100, "lr_scheduler": "constant", **settings}}}})
-    stage = spec.stages["sft"]
-    ctx = StageContext("sft", stage, TrainSettings.model_validate(stage.settings), dict(stage.inputs),
-                       tmp_path / name / "work", tmp_path / name / "checkpoints", 0, lambda m, s: None, get_plugins())
-    ctx.work_dir.mkdir(parents=True)
-    result = run_sft(ctx)
+    result = run_sft(stage_context(tmp_path / name, spec, settings_model=TrainSettings))
     return result, load_file(result.outputs["model"] / "model.safetensors")
 
 
@@ -63,9 +58,7 @@ def test_model_options_reach_the_loaders(tmp_path, data):
     spec = parse_spec({"name": "s", "stages": {"sft": {
         "kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": str(data)}, "algorithm": "sft",
         "settings": {"model": {"attn_implementation": "eager", "chat_template": template}}}}})
-    stage = spec.stages["sft"]
-    ctx = StageContext("sft", stage, TrainSettings.model_validate(stage.settings), dict(stage.inputs),
-                       tmp_path / "work", tmp_path / "ckpt", 0, lambda m, s: None, get_plugins())
+    ctx = stage_context(tmp_path, spec, settings_model=TrainSettings)
     from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source
 
     with model_source(ctx) as src:

@@ -17,6 +17,8 @@ import pytest
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import descendants, process_start
 
+pytestmark = pytest.mark.system
+
 PIPELINE = """
 name: signals
 seed: 0

@@ -12,6 +12,8 @@ import pytest
 from alignflow.flows import shutdown
 from alignflow.flows.tracking import SignalSafeClient, Tracker
 
+pytestmark = pytest.mark.system
+
 
 class Terminated(BaseException):
     """What Prefect's SIGTERM handler raises in a cancelled flow run (TerminationSignal)."""

@@ -7,7 +7,7 @@ Greedy decoding and fp32, as tests/flows/test_vllm_stages.py. Runs where vLLM is
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.system]  # vLLM starts its engine core in a process of its own
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
 from alignflow.flows.stages.rl import run_rl  # noqa: E402

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.system]  # vLLM starts its engine core in a process of its own
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
 import alignflow.plugins.hf  # noqa: E402

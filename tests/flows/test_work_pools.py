@@ -95,7 +95,7 @@ def stage_runs(pool: str) -> list:
     return sorted(runs, key=lambda r: r.created)
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import torch
 from pydantic import ValidationError
 
 from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import PolicyBatch, Rollout
+from alignflow.core.rl import PolicyBatch
 from alignflow.core.rl_parts import clipped_surrogate
 from alignflow.plugins.cispo import CISPO, CISPOConfig
 from alignflow.plugins.dapo import DAPO
+from helpers.rollouts import make_rollout
 
 # Two responses: A = +2 with ratios 1, 6 (past the cap 5), 0.5; A = -1 with ratios 0.1, 1.5 and one pad.
 RATIOS = torch.tensor([[1.0, 6.0, 0.5], [0.1, 1.5, 1.0]])
@@ -46,8 +47,7 @@ def test_defaults():
 
 
 def test_advantages_are_grpo_group_advantages():
-    r = Rollout(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), group=torch.zeros(4, dtype=torch.long),
-                response_mask=torch.ones(4, 2), old_logprobs=torch.zeros(4, 2), max_new_tokens=2)
+    r = make_rollout(mask=torch.ones(4, 2), old=0.0)
     adv, returns = CISPO().advantages(r)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # mean 0.5, unbiased std sqrt(1/3)
     torch.testing.assert_close(adv, torch.tensor([a, -a, -a, a])[:, None].expand(4, 2))

@@ -11,6 +11,8 @@ from alignflow.core.rewards import RewardSet
 from alignflow.core.sandbox import UID_BASE, UID_SPAN, default_python
 from alignflow.plugins.code_exec import CodeExec, extract_code
 
+pytestmark = pytest.mark.system
+
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 CODE = "def add(a, b):\n    return a + b\n"
 GOOD = f"Here:\n```python\n{CODE}```\n"

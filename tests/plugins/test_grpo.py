@@ -6,18 +6,15 @@ import pytest
 import torch
 
 from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
 from alignflow.plugins.grpo import GRPO, GRPOConfig
+from helpers.rollouts import make_rollout
 
 LENGTHS = [2, 4, 1, 3]
 MASK = torch.tensor([[1] * n + [0] * (4 - n) for n in LENGTHS])
 
 
 def rollout(rewards=(1.0, 0.0, 0.0, 1.0)):
-    return Rollout(
-        rewards=torch.tensor(rewards), group=torch.zeros(4, dtype=torch.long), response_mask=MASK,
-        old_logprobs=torch.full((4, 4), -1.0), ref_logprobs=torch.full((4, 4), -1.5), max_new_tokens=8,
-    )
+    return make_rollout(rewards, mask=MASK, ref=-1.5, max_new_tokens=8)
 
 
 def test_defaults_follow_the_paper():

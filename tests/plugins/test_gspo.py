@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 from alignflow.plugins.gspo import GSPO, GSPOConfig
+from helpers.rollouts import make_rollout
 
 LENGTHS = [2, 4, 1, 3]
 MASK = torch.tensor([[1] * n + [0] * (4 - n) for n in LENGTHS])
@@ -25,9 +25,7 @@ OLD = torch.full((4, 4), -1.0, dtype=torch.float64)
 
 
 def rollout():
-    return Rollout(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), group=torch.zeros(4, dtype=torch.long),
-                   response_mask=MASK, old_logprobs=OLD, ref_logprobs=torch.full((4, 4), -1.5, dtype=torch.float64),
-                   max_new_tokens=8)
+    return make_rollout(mask=MASK, ref=-1.5, max_new_tokens=8, dtype=torch.float64)
 
 
 def run(algo, log_ratio=LOG_RATIO):

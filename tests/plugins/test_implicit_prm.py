@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 import alignflow.plugins.implicit_prm as implicit
 from alignflow.core.aggregation import StepNorm
-from alignflow.core.models import build_tiny, load_model
+from alignflow.core.models import load_model
 from alignflow.core.preference import PairBatch
 from alignflow.core.tokenizer import build_char_tokenizer
 from alignflow.plugins.dpo import DPO
@@ -174,9 +174,8 @@ def test_a_recorded_or_given_reference_is_required(tmp_path, unigrams):
 # --- real tiny models: the outcome reward is the one the preference stage trains --------------------
 
 @pytest.fixture(scope="module")
-def tiny_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return str(build_tiny(root / "prm", seed=1)), str(build_tiny(root / "ref", seed=0))
+def tiny_pair(tiny_model):
+    return str(tiny_model(seed=1)), str(tiny_model())
 
 
 def direct_log_ratios(prm, ref, ids):

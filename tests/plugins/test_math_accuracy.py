@@ -58,6 +58,7 @@ def test_math_accuracy_off_the_main_thread():
         assert list(pool.map(_score_one, PAIRS)) == [1.0, 0.0]
 
 
+@pytest.mark.system
 def test_math_accuracy_in_a_process_pool():
     with ProcessPoolExecutor(2) as pool:
         assert list(pool.map(_score_one, PAIRS)) == [1.0, 0.0]

@@ -9,7 +9,7 @@ import torch
 
 from alignflow.core import hookimpl
 from alignflow.core.aggregation import aggregate
-from alignflow.core.models import build_tiny, load_model
+from alignflow.core.models import load_model
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import Rollout
 from alignflow.core.settings import RLSettings
@@ -207,10 +207,10 @@ def weights(path):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_model):
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a busy CPU: OpenMP's spinning threads slow each step down
-    yield build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+    yield tiny_model()
     torch.set_num_threads(before)
 
 
@@ -260,6 +260,7 @@ def last_data_state(root):
     return torch.load(path, weights_only=False)["data"]
 
 
+@pytest.mark.system
 def test_overlapped_rollouts_prefetch_the_prompts_the_step_draws(tmp_path, plugins, tiny, data):
     """The worker generates step k+1's fresh prompts while step k trains: the prioritised draw for k+1 must
     already count step k's completions, or the step regenerates instead (staleness 0)."""

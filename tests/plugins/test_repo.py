@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.models import build_tiny, load_model
+from alignflow.core.models import load_model
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl import Rollout, cost_reward_problem
 from alignflow.core.settings import RLSettings
@@ -187,8 +187,8 @@ def plugins():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model()
 
 
 def make_ctx(tmp_path, plugins, model, log, weight=0.0, max_steps=3):

@@ -3,17 +3,15 @@
 import torch
 
 from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
 from alignflow.plugins.rloo import RLOO, RLOOConfig
+from helpers.rollouts import make_rollout
 
 LENGTHS = [1, 2, 3, 4]
 MASK = torch.tensor([[1] * n + [0] * (4 - n) for n in LENGTHS])
 
 
 def rollout():
-    return Rollout(rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]), group=torch.zeros(4, dtype=torch.long),
-                   response_mask=MASK, old_logprobs=torch.full((4, 4), -1.0),
-                   ref_logprobs=torch.full((4, 4), -1.1), max_new_tokens=4)
+    return make_rollout(mask=MASK, ref=-1.1)
 
 
 def test_defaults():

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.system]  # vLLM starts its engine core in a process of its own
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
 from alignflow.core.errors import AlignflowError  # noqa: E402

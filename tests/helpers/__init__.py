@@ -1,0 +1,1 @@
+"""Builders the tests share: the tiny model, stage contexts and RL rollouts."""
