@@ -3,20 +3,12 @@ of the stage flow on each work pool its stages name."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-
-def ensure_process_pool(name: str) -> None:
-    """Create the work pool as a `process` pool (no Docker) unless it exists."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-        except ObjectAlreadyExists:
-            pass
+from alignflow.flows.options import Nodes, RunOptions
+from alignflow.flows.pipeline import load_pipeline, pipeline_flow
+from alignflow.flows.remote import deploy_stage_flow, ensure_process_pool
 
 
 def stage_pools(spec) -> list[str]:
@@ -24,13 +16,12 @@ def stage_pools(spec) -> list[str]:
     return sorted({pool for name in spec.stages if (pool := spec.pool_of(name)) is not None})
 
 
-def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> tuple[str, list[str]]:
-    """Deploy `pipeline_flow` for this spec on a cron schedule, and `stage_flow` on each pool its stages
-    name (flows/remote.py), so their workers can start before the first run; returns the deployment's
-    name and those pools."""
+def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None,
+           options: RunOptions = RunOptions()) -> tuple[str, list[str]]:
+    """Deploy `pipeline_flow` for this spec on a cron schedule, its runs with `options` (on one node), and
+    `stage_flow` on each pool its stages name (flows/remote.py), so their workers can start before the
+    first run; returns the deployment's name and those pools."""
     from prefect.deployments.runner import EntrypointType
-
-    from alignflow.flows.pipeline import load_pipeline, pipeline_flow
 
     spec = load_pipeline(pipeline, [])
     ensure_process_pool(pool)
@@ -39,11 +30,10 @@ def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None
     pipeline_flow.deploy(
         name, work_pool_name=pool, cron=cron, build=False, push=False, print_next_steps=False,
         entrypoint_type=EntrypointType.MODULE_PATH,
-        parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve())},
+        parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve()),
+                    "options": dataclasses.replace(options, nodes=Nodes()).as_dict()},
         job_variables={"working_dir": str(project.resolve())},
     )
-    from alignflow.flows.remote import deploy_stage_flow
-
     pools = stage_pools(spec)
     for stage_pool in pools:
         deploy_stage_flow(stage_pool)

@@ -20,6 +20,7 @@ from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.child import ChildFailed, plugin_recipe, run_in_child
+from alignflow.flows.ranks import run_in_processes
 from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV, data_parallel_ranks, parallel_stages
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.sft import run_sft
@@ -76,7 +77,7 @@ def two_ranks(tmp_path_factory, data):
     """One run of the stage on two ranks, for the tests below: (its folder, logged metrics, result)."""
     root = tmp_path_factory.mktemp("two-ranks")
     ctx, logged = context(root, data, **TWO_RANKS)
-    return root, logged, run_in_child("sft", ctx, threads=1, ranks=2)
+    return root, logged, run_in_processes("sft", ctx, threads=1, ranks=2)
 
 
 def test_two_ranks_train_as_one_process_does_on_the_same_global_batch(tmp_path, data, two_ranks):
