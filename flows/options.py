@@ -128,7 +128,8 @@ class RunOptions:
         nodes_given = [(nnodes, "--nnodes", NNODES_ENV), (node_rank, "--node-rank", NODE_RANK_ENV),
                        (rdzv_endpoint, "--rdzv-endpoint", RDZV_ENDPOINT_ENV)]
         texts = [flag if flag is not None else env.get(var) for flag, _, var in nodes_given]
-        names = tuple(var if flag is None else name for flag, name, var in nodes_given)
+        # an error names what the user gave: the variable when it was set and the flag not, else the flag
+        names = tuple(var if flag is None and env.get(var) is not None else name for flag, name, var in nodes_given)
         lease = env.get(LEASE_ENV)
         return cls(
             nproc=nproc if nproc is not None else _count(env, NPROC_ENV, "processes", 1),
