@@ -41,8 +41,12 @@ def test_nproc_given_as_a_flag_reaches_the_stages_ranks_and_the_environment_is_u
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(NPROC_ENV, "1")
     monkeypatch.setattr(cli, "configure_logging", lambda: None)  # its handler would keep capsys's stream
-    before = {k: v for k, v in os.environ.items() if k.startswith("ALIGNFLOW_")}
-    code = cli.main(["run", "p.yaml", "--nproc", "2", "--json"])
+    before, names = {k: v for k, v in os.environ.items() if k.startswith("ALIGNFLOW_")}, set(os.environ)
+    try:
+        code = cli.main(["run", "p.yaml", "--nproc", "2", "--json"])
+    finally:
+        for var in set(os.environ) - names:  # the third-party defaults `main` sets (Prefect's, OpenMP's)
+            del os.environ[var]
     out = capsys.readouterr()
     assert code == 1
     assert "world size 2" in " ".join(out.err.split())
