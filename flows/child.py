@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.plugins import entry_point_names, get_plugins
+from alignflow.core.settings import settings_model
+from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext, StageResult
 
 # Variables `core.engine.init_distributed` sets for torch when it forms a one-process group itself.
@@ -85,8 +88,6 @@ def plugin_recipe(plugins) -> list[tuple[str, str, str, str]] | None:
     """How a child rebuilds `plugins`: the plugins beyond the entry points (which it loads itself),
     as (import path, name, distribution, version); None when one of them cannot be imported by name
     (defined in __main__ or inside a function), so the stage must run in this process."""
-    from alignflow.core.plugins import entry_point_names
-
     from_entry_points = entry_point_names()
     extra = []
     for name, (dist, version, _) in plugins.origin.items():
@@ -132,11 +133,8 @@ def _run_stage(payload: dict, out, rank: int) -> tuple:
     configure_logging()  # the parent's progress lines, in the same format
     if rank:
         logging.getLogger("alignflow").setLevel(logging.WARNING)  # rank 0 speaks for the stage
-    import torch
+    import torch  # the CLI imports this module (configure_logging): torch and the runners load in the child only
 
-    from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import settings_model
-    from alignflow.core.spec import StageSpec
     from alignflow.flows.stages.registry import RUNNERS
 
     torch.set_num_threads(payload["threads"])

@@ -149,7 +149,7 @@ def launch_config(run_id: str, local_ranks: int, nodes: Nodes) -> Iterator:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    from alignflow.core.engine import free_port
+    from alignflow.core.engine import free_port  # the engine imports DeepSpeed: not for the CLI's startup
 
     register_backend()
     loopback = nodes.host in ("127.0.0.1", "localhost", "::1")
