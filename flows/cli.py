@@ -235,7 +235,7 @@ def cmd_deploy(args) -> int:
     """Create a scheduled Prefect deployment of a pipeline on a process work pool."""
     from alignflow.flows.deploy import deploy  # Prefect and torch: not for the quick commands
 
-    name, stage_pools = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name, RunOptions.from_env())
+    name, stage_pools = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name)
     console.print(f"deployment {name!r} on work pool {args.pool!r}, schedule {args.cron!r}")
     console.print(f"start a worker:   prefect worker start --pool {args.pool}")
     for pool in stage_pools:  # where the stages that name a pool run

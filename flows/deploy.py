@@ -3,10 +3,8 @@ of the stage flow on each work pool its stages name."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from alignflow.flows.options import Nodes, RunOptions
 from alignflow.flows.pipeline import load_pipeline, pipeline_flow
 from alignflow.flows.remote import deploy_stage_flow, ensure_process_pool
 
@@ -16,11 +14,10 @@ def stage_pools(spec) -> list[str]:
     return sorted({pool for name in spec.stages if (pool := spec.pool_of(name)) is not None})
 
 
-def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None,
-           options: RunOptions = RunOptions()) -> tuple[str, list[str]]:
-    """Deploy `pipeline_flow` for this spec on a cron schedule, its runs with `options` (on one node), and
-    `stage_flow` on each pool its stages name (flows/remote.py), so their workers can start before the
-    first run; returns the deployment's name and those pools."""
+def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> tuple[str, list[str]]:
+    """Deploy `pipeline_flow` for this spec on a cron schedule, and `stage_flow` on each pool its stages
+    name (flows/remote.py), so their workers can start before the first run; returns the deployment's
+    name and those pools. Its runs take their options from the worker's environment (`pipeline_flow`)."""
     from prefect.deployments.runner import EntrypointType
 
     spec = load_pipeline(pipeline, [])
@@ -30,8 +27,7 @@ def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None
     pipeline_flow.deploy(
         name, work_pool_name=pool, cron=cron, build=False, push=False, print_next_steps=False,
         entrypoint_type=EntrypointType.MODULE_PATH,
-        parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve()),
-                    "options": dataclasses.replace(options, nodes=Nodes()).as_dict()},
+        parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve())},
         job_variables={"working_dir": str(project.resolve())},
     )
     pools = stage_pools(spec)

@@ -87,7 +87,7 @@ class RunOptions:
     parallel: int | None = None  # training stages at once (`--parallel`); None: one per 8 CPU cores
     nodes: Nodes = field(default_factory=Nodes)  # `--nnodes/--node-rank/--rdzv-endpoint`
     pool_timeout_s: int = 600  # how long a stage waits for a worker of its work pool
-    cache: str | None = None  # local cache of a URL artifacts root; None: ~/.cache/alignflow
+    cache: str | None = None  # local cache of a URL artifacts root; None: ~/.cache/alignflow of the machine
     artifact_lock: str = "lease"  # lease | none (one writer at a time, vouched for by the user)
     lock_lease_s: float = 120.0  # how long a dead run's stage lock outlives its last heartbeat
 
@@ -136,7 +136,8 @@ class RunOptions:
             parallel=parallel if parallel is not None else _count(env, PARALLEL_ENV, "stages", None),
             nodes=parse_nodes(*texts, names=names),
             pool_timeout_s=_count(env, POOL_TIMEOUT_ENV, "seconds", 600),
-            cache=env.get(CACHE_ENV) or str(Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "alignflow"),
+            cache=env.get(CACHE_ENV) or (str(Path(env["XDG_CACHE_HOME"]) / "alignflow") if env.get("XDG_CACHE_HOME")
+                                         else None),
             artifact_lock=env.get(LOCK_ENV, "lease"),
             lock_lease_s=cls.lock_lease_s if lease is None else _seconds(lease),
         )
