@@ -27,7 +27,7 @@ from alignflow.core.plugins import get_plugins
 from alignflow.core.kinds import settings_model
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
-from alignflow.flows.child import run_in_child
+from alignflow.flows.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
 
 STAGES = {
@@ -52,7 +52,7 @@ def run(kind: str, model: str, data: Path, out: Path, ranks: int, steps: int) ->
                        out / "checkpoints", 0, lambda m, s: logged.append(m), get_plugins())
     ctx.work_dir.mkdir()
     start = time.perf_counter()
-    result = run_in_child(kind, ctx, threads=max(1, torch.get_num_threads() // ranks), ranks=ranks)
+    result = run_in_processes(kind, ctx, threads=max(1, torch.get_num_threads() // ranks), ranks=ranks)
     row = {"ranks": ranks, "wall_s": round(time.perf_counter() - start, 2)}
     if kind == "rl":
         row["step_s"] = round(statistics.median(m["time/step"] for m in logged if "time/step" in m), 3)

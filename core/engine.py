@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-if not torch.cuda.is_available():  # choose DeepSpeed's CPU accelerator before it is imported
+if not torch.cuda.is_available():  # choose DeepSpeed's CPU accelerator before it is imported (DeepSpeed reads it)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
@@ -57,15 +57,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_own_group = False  # this process set torch's launcher variables itself (flows/child.py asks)
+
+
+def formed_own_group() -> bool:
+    """Whether `init_distributed` formed a one-process group here (so RANK etc. are not a launcher's)."""
+    return _own_group
+
+
 def init_distributed() -> None:
     """Join the launcher's process group, or form a one-process group when run without a launcher."""
+    global _own_group
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
+        # torch.distributed's env:// rendezvous reads these (this process is its own launcher)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", ALIGNFLOW_OWN_PROCESS_GROUP="1")  # flows/child.py: a child forms its own
+                          LOCAL_RANK="0")
+        _own_group = True
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # the launcher's (or ours, above)
     else:
         # On the CPU DeepSpeed JIT-compiles its shared-memory all-reduce (deepspeed_shm_comm) as a group forms:
         # 46 s to 5 minutes on a fresh machine, under a lock in ~/.cache/torch_extensions that every environment

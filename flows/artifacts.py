@@ -2,7 +2,8 @@
 
 The manifest is written last and atomically, so its presence means the outputs are complete.
 A lock file beside each artifact folder serialises concurrent runs of the same stage.
-A URL root (`s3://bucket/prefix`, any fsspec protocol) is a `RemoteArtifactStore` (flows/remote_store.py).
+A URL root (`s3://bucket/prefix`, any fsspec protocol) is a `RemoteArtifactStore` (flows/remote_store.py,
+where `open_store` opens either).
 """
 
 from __future__ import annotations
@@ -18,20 +19,6 @@ from typing import Iterator
 
 MANIFEST = "manifest.json"
 CURVES = "curves.json"  # step metrics, kept so a cached stage can still be plotted
-
-
-def is_url(root: str | Path | None) -> bool:
-    """A root with a protocol (`s3://...`, `file://...`); a `Path` never is one."""
-    return isinstance(root, str) and "://" in root
-
-
-def open_store(root: str | Path) -> ArtifactStore:
-    """The store at `root`: a local folder, or an fsspec URL (`s3://bucket/prefix`, `file://`, `memory://`)."""
-    if not is_url(root):
-        return ArtifactStore(Path(root))
-    from alignflow.flows.remote_store import RemoteArtifactStore  # imports fsspec when it is used
-
-    return RemoteArtifactStore(root)
 
 
 class ArtifactStore:

@@ -9,18 +9,20 @@ ends with the result or the error. A stage gives the same result in either place
 code, and the same share of torch threads (flows/execute.py gives both the same). A child stops
 when the pipeline's process dies, so no orphan keeps writing into a stage that a rerun resumes.
 
-With `ranks > 1`, or on several nodes, the stage runs data-parallel: torch's elastic launcher
-(flows/nodes.py) starts one process per rank in one process group, rank 0 reports metrics and the
+With `ranks > 1`, or on several nodes, the stage runs data-parallel (flows/ranks.py): torch's elastic
+launcher (flows/nodes.py) starts one process per rank in one process group, rank 0 reports metrics and the
 result, and any rank's failure stops every rank, on every node, with the failed rank named.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import sys
 import threading
 import time
 import traceback
@@ -29,11 +31,31 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.plugins import entry_point_names, get_plugins
+from alignflow.core.kinds import settings_model
+from alignflow.core.spec import StageSpec
 from alignflow.flows.stages import StageContext, StageResult
 
-# Variables `core.engine.init_distributed` sets when it forms a one-process group itself.
+# Variables `core.engine.init_distributed` sets for torch when it forms a one-process group itself.
 _OWN_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-OWN_GROUP_MARK = "ALIGNFLOW_OWN_PROCESS_GROUP"
+
+
+def configure_logging() -> None:
+    """alignflow's own INFO lines (progress off a terminal, resumes) go to stderr; other libraries keep theirs."""
+    logger = logging.getLogger("alignflow")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s | %(name)s | %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _own_group() -> bool:
+    """Whether this process formed its own one-process group (core/engine.py), so its RANK etc. are not a
+    launcher's. Without the engine loaded, no group was formed here."""
+    engine = sys.modules.get("alignflow.core.engine")
+    return engine is not None and engine.formed_own_group()
 
 
 class ChildFailed(AlignflowError):
@@ -66,8 +88,6 @@ def plugin_recipe(plugins) -> list[tuple[str, str, str, str]] | None:
     """How a child rebuilds `plugins`: the plugins beyond the entry points (which it loads itself),
     as (import path, name, distribution, version); None when one of them cannot be imported by name
     (defined in __main__ or inside a function), so the stage must run in this process."""
-    from alignflow.core.plugins import entry_point_names
-
     from_entry_points = entry_point_names()
     extra = []
     for name, (dist, version, _) in plugins.origin.items():
@@ -82,7 +102,7 @@ def plugin_recipe(plugins) -> list[tuple[str, str, str, str]] | None:
 
 def can_run_in_child(plugins) -> bool:
     """Not under a multi-process launcher (a child would leave its group), and plugins rebuildable."""
-    launched = "RANK" in os.environ and OWN_GROUP_MARK not in os.environ
+    launched = "RANK" in os.environ and not _own_group()
     return not launched and plugin_recipe(plugins) is not None
 
 
@@ -94,6 +114,7 @@ def stage_payload(kind: str, ctx: StageContext, threads: int, world: int = 1) ->
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
         "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(), "world": world,
+        "own_group": _own_group(),  # the RANK etc. a child inherits are this process's group's, not its own
     }
 
 
@@ -109,18 +130,11 @@ def _exit_with_parent(parent: int) -> None:
 
 def _run_stage(payload: dict, out, rank: int) -> tuple:
     """Rebuild the context, run the runner; rank 0 sends its metrics as they come. Returns the result's parts."""
-    from alignflow.flows.cli import configure_logging
-
     configure_logging()  # the parent's progress lines, in the same format
     if rank:
-        import logging
-
         logging.getLogger("alignflow").setLevel(logging.WARNING)  # rank 0 speaks for the stage
-    import torch
+    import torch  # the CLI imports this module (configure_logging): torch and the runners load in the child only
 
-    from alignflow.core.plugins import get_plugins
-    from alignflow.core.kinds import settings_model
-    from alignflow.core.spec import StageSpec
     from alignflow.flows.stages.registry import RUNNERS
 
     torch.set_num_threads(payload["threads"])
@@ -166,7 +180,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
     """The one-process child: run the stage, report metrics and the result or the error."""
     try:
         _exit_with_parent(payload["parent"])
-        if os.environ.pop(OWN_GROUP_MARK, None):  # the parent's one-process group is not ours
+        if payload["own_group"]:  # the parent's one-process group is not ours: torch would join it
             for var in _OWN_GROUP_VARS:
                 os.environ.pop(var, None)
         out.put(("result", 0, *_run_stage(payload, out, 0)))
@@ -180,7 +194,6 @@ def rank_main(payload: dict, out: multiprocessing.Queue) -> None:
     out.put(("started", rank, os.getpid()))
     try:
         _exit_with_parent(payload["parent"])
-        os.environ.pop(OWN_GROUP_MARK, None)  # inherited from a parent that formed its own group
         if int(os.environ["WORLD_SIZE"]) != payload["world"]:
             raise AlignflowError(f"stage {payload['name']!r}: this node expected {payload['world']} ranks in all and "
                                  f"the rendezvous formed {os.environ['WORLD_SIZE']}: start every node with the "
@@ -199,14 +212,9 @@ def _ignore(metrics, step) -> None:
     """Ranks other than 0 log nothing: rank 0's metrics are the stage's."""
 
 
-def run_in_child(kind: str, ctx: StageContext, threads: int, ranks: int = 1, nodes=None) -> StageResult | None:
-    """Run `RUNNERS[kind](ctx)` in spawned children, `ranks` of them data-parallel on this node (of
-    `nodes`), each with `threads` torch threads; rank 0's metrics reach `ctx.log_metrics` as they come
-    and its result is returned (None on a node without rank 0)."""
-    if ranks > 1 or (nodes is not None and nodes.many):
-        from alignflow.flows.ranks import run_ranks  # torch's elastic launcher
-
-        return run_ranks(kind, ctx, threads, ranks, nodes)
+def run_in_child(kind: str, ctx: StageContext, threads: int) -> StageResult:
+    """Run `RUNNERS[kind](ctx)` in a spawned child with `threads` torch threads; its metrics reach
+    `ctx.log_metrics` as they come and its result is returned. Data-parallel ranks: flows/ranks.py."""
     mp = multiprocessing.get_context("spawn")
     out = mp.Queue()
     child = mp.Process(target=_child_main, args=(stage_payload(kind, ctx, threads), out), name=f"alignflow-{ctx.name}")

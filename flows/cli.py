@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -15,7 +14,17 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-from alignflow.core.errors import AlignflowError, SpecError
+from alignflow.core.describe import default_text, describe, plugin_lines
+from alignflow.core.errors import AlignflowError, PluginError, SpecError
+from alignflow.core.memory import gib, parse_size, pipeline_memory
+from alignflow.core.plugins import get_plugins
+from alignflow.flows.api import run_checked
+from alignflow.flows.child import configure_logging
+from alignflow.flows.data import DATA_DIR, regenerate_data
+from alignflow.flows.nodes import LAUNCHER_VARS, launched_by_deepspeed
+from alignflow.flows.options import RunOptions, stage_count
+from alignflow.flows.preflight import check_pipeline
+from alignflow.flows.report import write_curves, write_metrics
 
 console = Console()
 err_console = Console(stderr=True)
@@ -23,9 +32,6 @@ err_console = Console(stderr=True)
 
 def cmd_plugins(args) -> int:
     """List every loaded plugin: kind, name, distribution, version, description; `show NAME` for one."""
-    from alignflow.core.describe import describe, plugin_lines
-    from alignflow.core.plugins import get_plugins
-
     entries = get_plugins().entries()
     if args.action == "show":
         return _show_plugin(args, [e for e in entries if e.name == args.name])
@@ -38,9 +44,6 @@ def cmd_plugins(args) -> int:
 
 
 def _show_plugin(args, matches) -> int:
-    from alignflow.core.describe import default_text, describe
-    from alignflow.core.errors import PluginError
-
     if args.kind:
         matches = [e for e in matches if e.kind == args.kind]
     if not args.name or not matches:
@@ -70,8 +73,6 @@ def _show_plugin(args, matches) -> int:
 
 def cmd_validate(args) -> int:
     """Validate a pipeline spec, print its stage DAG and each training stage's estimated memory per GPU."""
-    from alignflow.flows.preflight import check_pipeline
-
     spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
     console.print(dag_tree(spec, args.pipeline))
     return show_memory(spec, args)
@@ -79,12 +80,8 @@ def cmd_validate(args) -> int:
 
 def show_memory(spec, args) -> int:
     """Each training stage's estimated memory per GPU (core/memory.py); 1 when one exceeds --gpu-memory."""
-    from alignflow.core.memory import gib, parse_size, pipeline_memory
-    from alignflow.core.plugins import get_plugins
-    from alignflow.flows.execute import requested_processes
-
     limit = parse_size(args.gpu_memory) if args.gpu_memory else None
-    gpus = args.nproc or requested_processes()
+    gpus = RunOptions.from_env(nproc=args.nproc).nproc
     estimates = pipeline_memory(spec, get_plugins(), Path.cwd(), gpus, args.nnodes)
     if not estimates:
         return 0
@@ -138,8 +135,6 @@ def _show_early(problems: list[str]) -> None:
 
 
 def _stage_count(text: str) -> int:
-    from alignflow.flows.execute import stage_count
-
     try:
         return stage_count(text, "--parallel")
     except AlignflowError as exc:
@@ -147,30 +142,20 @@ def _stage_count(text: str) -> int:
 
 
 def _process_count(text: str) -> int:
-    from alignflow.flows.execute import stage_count
-
     try:
         return stage_count(text, "--nproc", "processes")
     except AlignflowError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _nodes(args):
-    """The nodes of `--nnodes/--node-rank/--rdzv-endpoint` (else their variables), checked and exported."""
-    from alignflow.flows.nodes import NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV, parse_nodes
-
-    given = [(args.nnodes, "--nnodes", NNODES_ENV), (args.node_rank, "--node-rank", NODE_RANK_ENV),
-             (args.rdzv_endpoint, "--rdzv-endpoint", RDZV_ENDPOINT_ENV)]
-    texts = [flag if flag is not None else os.environ.get(env) for flag, _, env in given]
-    from_env = [flag is None and os.environ.get(env) is not None for flag, _, env in given]
-    nodes = parse_nodes(*texts, names=tuple(env if e else name for (_, name, env), e in zip(given, from_env)))
-    if nodes.many and args.artifacts is not None and "://" in str(args.artifacts):
+def run_options(args) -> RunOptions:
+    """The run's options: the flags given, over the ALIGNFLOW_* variables; checked against `--artifacts`."""
+    options = RunOptions.from_env(nproc=args.nproc, parallel=args.parallel, nnodes=args.nnodes,
+                                  node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
+    if options.nodes.many and args.artifacts is not None and "://" in str(args.artifacts):
         raise AlignflowError(f"--artifacts {args.artifacts}: the nodes of a run share the artifacts folder "
                              "(checkpoints and outputs of every rank): give a path on a shared filesystem")
-    for (_, _, env), text in zip(given, texts):
-        if text is not None:
-            os.environ[env] = text
-    return nodes
+    return options
 
 
 def _from_deepspeed_launcher(args) -> bool:
@@ -178,9 +163,7 @@ def _from_deepspeed_launcher(args) -> bool:
     this process as --nnodes/--node-rank/--nproc/--rdzv-endpoint, its variables removed (each stage's ranks
     get theirs from torch's elastic launcher). False for a process that is not its host's local rank 0: that
     host's ranks are started by local rank 0, one set per stage, so it exits."""
-    from alignflow.flows.nodes import LAUNCHER_VARS, launched_by_deepspeed
-
-    launched = launched_by_deepspeed()
+    launched = launched_by_deepspeed(os.environ)
     if launched is None:
         return True
     given = [f for f, v in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
@@ -194,42 +177,21 @@ def _from_deepspeed_launcher(args) -> bool:
         return False
     args.nproc, args.nnodes, args.node_rank = launched.nproc, str(launched.nodes), str(launched.node)
     args.rdzv_endpoint = launched.endpoint if launched.nodes > 1 else None
-    for var in LAUNCHER_VARS:
+    for var in LAUNCHER_VARS:  # torch would take them for the stages' ranks, which get theirs from its launcher
         os.environ.pop(var, None)
     return True
 
 
 def cmd_run(args) -> int:
     """Run a pipeline: stages whose artifacts are finished are reused, the rest run."""
-    from alignflow.flows.preflight import check_pipeline
-
     if not _from_deepspeed_launcher(args):
         return 0
-    nodes = _nodes(args)
-    # before Prefect or a model starts
-    check_pipeline(Path(args.pipeline), args.set, Path.cwd(), regenerate=True, early=_show_early)
-    from alignflow.flows import shutdown
-
-    with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
-        from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV
-        from alignflow.flows.nodes import hosting
-
-        if args.parallel is not None:
-            os.environ[PARALLEL_ENV] = str(args.parallel)
-        if args.nproc is not None:
-            os.environ[NPROC_ENV] = str(args.nproc)
-        if nodes.rank > 0:  # node 0 runs the pipeline; this node lends it its ranks (flows/follow.py)
-            from alignflow.flows.follow import follow_pipeline
-
-            statuses = follow_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts, nodes)
-            console.print(f"node {nodes.rank} of {nodes.count}: " + ", ".join(f"{k} {v}" for k, v in statuses.items()))
-            return 0
-        from alignflow.flows.pipeline import run_pipeline
-
-        with hosting(nodes):
-            report = run_pipeline(Path(args.pipeline), args.set, Path.cwd(), args.artifacts)
-    from alignflow.flows.report import write_curves, write_metrics
-
+    options = run_options(args)
+    report = run_checked(Path(args.pipeline), args.set, Path.cwd(), args.artifacts, options, early=_show_early)
+    if isinstance(report, dict):  # a node other than 0: it lent its ranks
+        nodes = options.nodes
+        console.print(f"node {nodes.rank} of {nodes.count}: " + ", ".join(f"{k} {v}" for k, v in report.items()))
+        return 0
     report.render(err_console if args.json else console)
     if args.metrics:
         write_metrics(report, args.metrics)
@@ -242,8 +204,6 @@ def cmd_run(args) -> int:
 
 def cmd_data(args) -> int:
     """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged)."""
-    from alignflow.flows.data import DATA_DIR, regenerate_data
-
     if (Path.cwd() / DATA_DIR).is_dir() and not args.force:
         console.print(f"{DATA_DIR}/ exists; pass --force to rewrite it")
         return 0
@@ -254,9 +214,9 @@ def cmd_data(args) -> int:
 
 def cmd_reproduce(args) -> int:
     """Rerun a recorded pipeline run (MLflow parent run id) from scratch; exit 1 unless metrics match."""
-    from alignflow.flows.reproduce import reproduce
+    from alignflow.flows.reproduce import reproduce  # MLflow, Prefect and torch: not for the quick commands
 
-    report, mismatches = reproduce(args.run_id, Path.cwd())
+    report, mismatches = reproduce(args.run_id, Path.cwd(), RunOptions.from_env())
     report.render(console)
     for key, (recorded, now) in sorted(mismatches.items()):
         console.print(f"[red]{key}[/red]: recorded {recorded}, reproduced {now}")
@@ -267,7 +227,7 @@ def cmd_reproduce(args) -> int:
 
 def cmd_deploy(args) -> int:
     """Create a scheduled Prefect deployment of a pipeline on a process work pool."""
-    from alignflow.flows.deploy import deploy
+    from alignflow.flows.deploy import deploy  # Prefect and torch: not for the quick commands
 
     name, stage_pools = deploy(Path(args.pipeline), args.cron, args.pool, Path.cwd(), args.name)
     console.print(f"deployment {name!r} on work pool {args.pool!r}, schedule {args.cron!r}")
@@ -340,17 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="deployment name (default: the pipeline's name)")
     p.set_defaults(func=cmd_deploy)
     return parser
-
-
-def configure_logging() -> None:
-    """alignflow's own INFO lines (progress off a terminal, resumes) go to stderr; other libraries keep theirs."""
-    logger = logging.getLogger("alignflow")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s | %(name)s | %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def main(argv: list[str] | None = None) -> int:

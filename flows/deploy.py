@@ -5,18 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def ensure_process_pool(name: str) -> None:
-    """Create the work pool as a `process` pool (no Docker) unless it exists."""
-    from prefect import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-        except ObjectAlreadyExists:
-            pass
+from alignflow.flows.pipeline import load_pipeline, pipeline_flow
+from alignflow.flows.remote import deploy_stage_flow, ensure_process_pool
 
 
 def stage_pools(spec) -> list[str]:
@@ -27,10 +17,8 @@ def stage_pools(spec) -> list[str]:
 def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> tuple[str, list[str]]:
     """Deploy `pipeline_flow` for this spec on a cron schedule, and `stage_flow` on each pool its stages
     name (flows/remote.py), so their workers can start before the first run; returns the deployment's
-    name and those pools."""
+    name and those pools. Its runs take their options from the worker's environment (`pipeline_flow`)."""
     from prefect.deployments.runner import EntrypointType
-
-    from alignflow.flows.pipeline import load_pipeline, pipeline_flow
 
     spec = load_pipeline(pipeline, [])
     ensure_process_pool(pool)
@@ -42,8 +30,6 @@ def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None
         parameters={"pipeline": str(pipeline.resolve()), "project": str(project.resolve())},
         job_variables={"working_dir": str(project.resolve())},
     )
-    from alignflow.flows.remote import deploy_stage_flow
-
     pools = stage_pools(spec)
     for stage_pool in pools:
         deploy_stage_flow(stage_pool)

@@ -6,7 +6,6 @@ import contextlib
 import heapq
 import importlib.metadata as md
 import logging
-import os
 import threading
 import time
 import traceback
@@ -16,12 +15,12 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError, SpecError
-# the kind tables (core/kinds.py), imported from here by plan.py and follow.py
-from alignflow.core.kinds import DATA_PARALLEL_KINDS, RANK_DEPENDENT_KINDS, THREAD_SAFE_KINDS  # noqa: F401
+from alignflow.core.kinds import DATA_PARALLEL_KINDS, THREAD_SAFE_KINDS
 from alignflow.flows.artifacts import ArtifactStore
-from alignflow.flows.plan import StagePlan
 from alignflow.flows.child import can_run_in_child, run_in_child
-from alignflow.flows.nodes import requested_nodes
+from alignflow.flows.options import NPROC_ENV, RunOptions
+from alignflow.flows.plan import StagePlan
+from alignflow.flows.ranks import run_ranks
 from alignflow.flows.stages import OUTPUT_OF_INPUT, StageContext, StageResult
 from alignflow.flows.stages.registry import RUNNERS
 from alignflow.flows.tracking import StageRun, Tracker
@@ -45,46 +44,19 @@ class StageOutcome:
     mlflow_run_id: str | None = None
 
 
-PARALLEL_ENV = "ALIGNFLOW_PARALLEL_STAGES"
-NPROC_ENV = "ALIGNFLOW_NPROC"
+# What the Prefect UI shows for a stage that did not run its runner from the start.
+STATE_NAMES = {"cached": "Cached", "resumed": "Resumed"}
+
 _exclusive = threading.Lock()
 _slots: dict[int, "OrderedSlots"] = {}
 _slots_lock = threading.Lock()
 _user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
 
-def parallel_stages() -> int:
-    """How many training stages may run at once: $ALIGNFLOW_PARALLEL_STAGES, else one per 8 CPU
-    cores (each one uses every core it is given: two on a 2-core box run slower than one after
-    the other)."""
-    value = os.environ.get(PARALLEL_ENV)
-    if value is None:
-        return max(1, (os.cpu_count() or 1) // 8)
-    return stage_count(value, PARALLEL_ENV)
-
-
-def stage_count(text: str, where: str, what: str = "stages") -> int:
-    """A number of stages (or `what`), at least 1, from `text`; else a SpecError naming `where`."""
-    if not text.isdigit() or int(text) < 1:
-        raise SpecError(f"{where}={text!r}: expected a whole number of {what}, at least 1")
-    return int(text)
-
-
-def requested_processes() -> int:
-    """$ALIGNFLOW_NPROC (`alignflow run --nproc`), else 1."""
-    value = os.environ.get(NPROC_ENV)
-    return 1 if value is None else stage_count(value, NPROC_ENV, "processes")
-
-
-def total_processes() -> int:
-    """The ranks of every node together: `requested_processes()` on each of `--nnodes` nodes."""
-    return requested_processes() * requested_nodes().count
-
-
-def data_parallel_ranks(kind: str) -> int:
-    """Processes a stage of `kind` trains on, on all nodes together: `total_processes()` for the
+def data_parallel_ranks(kind: str, options: RunOptions) -> int:
+    """Processes a stage of `kind` trains on, on all nodes together: `options.total_processes` for the
     data-parallel kinds, else 1."""
-    ranks = total_processes()
+    ranks = options.total_processes
     if kind not in DATA_PARALLEL_KINDS:
         if ranks > 1:
             log.info("a %s stage runs on one process: %s=%d applies to %s stages", kind, NPROC_ENV, ranks,
@@ -126,16 +98,17 @@ def _slot(n: int) -> OrderedSlots:
         return _slots.setdefault(n, OrderedSlots(n))
 
 
-def call_runner(kind: str, ctx: StageContext, started: list[float], order: int = 0) -> StageResult:
-    """`RUNNERS[kind](ctx)` once one of `parallel_stages()` slots is free: here when this process is
+def call_runner(kind: str, ctx: StageContext, started: list[float], options: RunOptions,
+                order: int = 0) -> StageResult:
+    """`RUNNERS[kind](ctx)` once one of `options.parallel_stages` slots is free: here when this process is
     free for it, else in a child process. Either way the stage gets the same share of this process's
     torch threads, so where it ran never changes its numbers. Appends the time the runner started
     (after any wait) to `started`."""
     if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
         started.append(time.time())
         return RUNNERS[kind](ctx)
-    n = parallel_stages()
-    ranks = data_parallel_ranks(kind)
+    n = options.parallel_stages
+    ranks = data_parallel_ranks(kind, options)
     with _slot(n).held((order, ctx.name)):
         if ranks > 1:
             if not can_run_in_child(ctx.plugins):
@@ -143,9 +116,9 @@ def call_runner(kind: str, ctx: StageContext, started: list[float], order: int =
                                 "cannot rebuild plugins defined in __main__ or inside a function, nor run "
                                 "under another launcher's process group")
             started.append(time.time())
-            local = requested_processes()  # this node's share of the `ranks`
+            local = options.nproc  # this node's share of the `ranks`
             threads = thread_share(thread_share(_user_threads or torch.get_num_threads(), n), local)
-            return run_in_child(kind, ctx, threads=threads, ranks=local, nodes=requested_nodes())
+            return run_ranks(kind, ctx, threads, local, options.nodes)
         if _exclusive.acquire(blocking=False):
             return _run_here(kind, ctx, n, started)
         if can_run_in_child(ctx.plugins):
@@ -203,7 +176,7 @@ def stage_tags(plan: StagePlan) -> dict[str, str]:
 
 
 def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: ArtifactStore,
-                  tracker: Tracker, plugins) -> StageOutcome:
+                  tracker: Tracker, plugins, options: RunOptions) -> StageOutcome:
     """Cached when the manifest exists; otherwise run under the artifact lock."""
     start = time.perf_counter()
     inputs = resolve_inputs(plan, upstream)
@@ -214,7 +187,7 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
         if manifest is None:
             for stage in sorted(set(plan.upstream.values())):  # a shared store's inputs: downloaded once
                 store.fetch(stage, upstream[stage].digest)
-            manifest = _run(plan, inputs, store, run, plugins)
+            manifest = _run(plan, inputs, store, run, plugins, options)
             # the runner's own time, not a wait for this process while a sibling stage held it
             status, seconds = manifest["status"], manifest["timings"]["seconds"]
         else:
@@ -269,7 +242,7 @@ def refuse_empty(ctx: StageContext, result: StageResult) -> None:
                       "settings where an empty output is expected")
 
 
-def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins) -> dict:
+def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins, options: RunOptions) -> dict:
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
     ctx = StageContext(
         name=plan.name, spec=plan.spec,
@@ -281,7 +254,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
     resumed = ctx.resuming()
     clock = []
     try:
-        result = call_runner(plan.kind, ctx, clock, plan.order)
+        result = call_runner(plan.kind, ctx, clock, options, plan.order)
         started = clock[0]
         refuse_empty(ctx, result)
     except Exception as exc:

@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.kinds import DATA_PARALLEL_KINDS
 from alignflow.flows.artifacts import ArtifactStore
-from alignflow.flows.execute import (DATA_PARALLEL_KINDS, StageOutcome, parallel_stages, requested_processes,
-                                     resolve_inputs, thread_share)
-from alignflow.flows.nodes import Nodes, connect, run_ended
-from alignflow.flows.plan import StagePlan
+from alignflow.flows.execute import StageOutcome, resolve_inputs, thread_share
+from alignflow.flows.nodes import connect, run_ended
+from alignflow.flows.options import RunOptions
+from alignflow.flows.plan import StagePlan, plan_run
+from alignflow.flows.ranks import run_ranks
 from alignflow.flows.stages import StageContext
 
 log = logging.getLogger(__name__)
@@ -38,22 +40,11 @@ class NodeStopped(AlignflowError):
 
 
 def follow_pipeline(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None,
-                    nodes: Nodes) -> dict[str, str]:
-    """Follow node 0's run of `pipeline` to its end; {stage: how it went here}. Raises NodeStopped
-    naming the first stage that failed (here or on node 0)."""
-    import yaml
-
-    from alignflow.core.plugins import get_plugins
-    from alignflow.core.spec import parse_spec
-    from alignflow.flows.data import ensure_data
-    from alignflow.flows.overrides import apply_overrides
-    from alignflow.flows.plan import plan_pipeline
-
-    raw = apply_overrides(yaml.safe_load(pipeline.read_text()) or {}, list(overrides))
-    plugins = get_plugins()
-    spec = parse_spec(raw, str(pipeline), plugins)
-    ensure_data(spec, project)
-    plans = plan_pipeline(spec, project, plugins)
+                    options: RunOptions) -> dict[str, str]:
+    """Follow node 0's run of `pipeline` to its end, on the node `options.nodes` names; {stage: how it
+    went here}. Raises NodeStopped naming the first stage that failed (here or on node 0)."""
+    nodes = options.nodes
+    _, spec, plugins, plans = plan_run(pipeline, overrides, project, options)
     store = ArtifactStore(Path(artifacts).resolve() if artifacts is not None else project / "artifacts")
     log.info("node %d of %d: waiting for node 0 at %s", nodes.rank, nodes.count, nodes.endpoint)
     board = connect(nodes)  # waits for node 0's store
@@ -72,7 +63,7 @@ def follow_pipeline(pipeline: Path, overrides: list[str], project: Path, artifac
                 statuses[name] = "skipped"
                 done[name] = None
                 return
-            done[name], statuses[name] = _follow_stage(plan, done, store, board, nodes, plugins)
+            done[name], statuses[name] = _follow_stage(plan, done, store, board, options, plugins)
         except BaseException as exc:  # noqa: BLE001 - reported once every stage has stopped
             errors.append(exc)
             statuses[name], done[name] = "failed", None
@@ -87,12 +78,13 @@ def follow_pipeline(pipeline: Path, overrides: list[str], project: Path, artifac
     return statuses
 
 
-def _follow_stage(plan: StagePlan, done: dict, store: ArtifactStore, board, nodes: Nodes, plugins):
+def _follow_stage(plan: StagePlan, done: dict, store: ArtifactStore, board, options: RunOptions, plugins):
     """(outcome, status) of one stage on this node: joined with its ranks, or waited for."""
+    nodes = options.nodes
     manifest = store.manifest(plan.name, plan.digest)
     status = "cached"
     if manifest is None and plan.kind in DATA_PARALLEL_KINDS:
-        _lend_ranks(plan, done, store, board, nodes, plugins)
+        _lend_ranks(plan, done, store, options, plugins)
         status = "ran"
     elif manifest is None:
         status = "waited"
@@ -103,21 +95,19 @@ def _follow_stage(plan: StagePlan, done: dict, store: ArtifactStore, board, node
     return outcome, status
 
 
-def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, board, nodes: Nodes, plugins) -> None:
+def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, options: RunOptions, plugins) -> None:
     """Run this node's ranks of the stage, in node 0's work and checkpoint folders (shared)."""
-    from alignflow.flows.child import run_in_child
-
     ctx = StageContext(
         name=plan.name, spec=plan.spec, settings=plan.spec.validated_settings(),
         inputs=resolve_inputs(plan, done), work_dir=store.work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest), seed=plan.seed, plugins=plugins,
         log_metrics=lambda metrics, step: None,  # rank 0, on node 0, reports the stage
     )
-    local = requested_processes()
-    threads = thread_share(thread_share(torch.get_num_threads(), parallel_stages()), local)
-    log.info("node %d: stage %r: joining its rendezvous with %d rank%s", nodes.rank, plan.name, local,
+    local = options.nproc
+    threads = thread_share(thread_share(torch.get_num_threads(), options.parallel_stages), local)
+    log.info("node %d: stage %r: joining its rendezvous with %d rank%s", options.nodes.rank, plan.name, local,
              "s" if local > 1 else "")
-    run_in_child(plan.kind, ctx, threads=threads, ranks=local, nodes=nodes)
+    run_ranks(plan.kind, ctx, threads, local, options.nodes)
 
 
 def _wait_for_manifest(plan: StagePlan, store: ArtifactStore, board) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,12 +33,10 @@ from pathlib import Path
 from typing import Iterator
 
 from alignflow.core.errors import SpecError
+from alignflow.flows.options import Nodes
 
 log = logging.getLogger(__name__)
 
-NNODES_ENV = "ALIGNFLOW_NNODES"
-NODE_RANK_ENV = "ALIGNFLOW_NODE_RANK"
-RDZV_ENDPOINT_ENV = "ALIGNFLOW_RDZV_ENDPOINT"
 BACKEND = "alignflow-c10d"
 # How long node 0 waits for the other nodes to join a stage (torchrun's default), and how long another
 # node waits in a stage's rendezvous for node 0, which may be busy with stages it runs alone.
@@ -47,56 +44,6 @@ JOIN_TIMEOUT_S = 900
 FOLLOWER_JOIN_TIMEOUT_S = 7 * 24 * 3600
 STORE_TIMEOUT_S = 600  # a client's connection to node 0's store, and each blocking read of it
 _ENDED = "alignflow/run-ended"
-
-
-@dataclass(frozen=True)
-class Nodes:
-    """How many nodes run a stage's ranks, which one this is, and node 0's rendezvous endpoint."""
-
-    count: int = 1
-    rank: int = 0
-    host: str = "127.0.0.1"
-    port: int = 0  # one node: a free port per stage
-
-    @property
-    def many(self) -> bool:
-        return self.count > 1
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-
-def parse_nodes(nnodes: str | None, node_rank: str | None, endpoint: str | None,
-                names: tuple[str, str, str] = (NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV)) -> Nodes:
-    """Nodes from their text; a SpecError names the flag (or variable, `names`) at fault."""
-    n_name, rank_name, endpoint_name = names
-    count = _whole(nnodes or "1", n_name, 1)
-    rank = _whole(node_rank or "0", rank_name, 0)
-    if rank >= count:
-        raise SpecError(f"{rank_name}={rank}: must be below {n_name}={count} (node ranks are 0 to {count - 1})")
-    if count == 1:
-        return Nodes()
-    if not endpoint:
-        raise SpecError(f"{n_name}={count} needs {endpoint_name}=HOST:PORT, node 0's address and a free port "
-                        "on it, the same on every node")
-    host, sep, port = endpoint.strip().rpartition(":")
-    host = host.strip("[]")  # [::1]:29400
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SpecError(f"{endpoint_name}={endpoint!r}: expected HOST:PORT (node 0's address and a free port "
-                        "on it, e.g. 10.0.0.1:29400)")
-    return Nodes(count, rank, host, int(port))
-
-
-def _whole(text: str, name: str, least: int) -> int:
-    if not text.isdigit() or int(text) < least:
-        raise SpecError(f"{name}={text!r}: expected a whole number, at least {least}")
-    return int(text)
-
-
-def requested_nodes() -> Nodes:
-    """The nodes `alignflow run` was started with ($ALIGNFLOW_NNODES, _NODE_RANK, _RDZV_ENDPOINT)."""
-    return parse_nodes(os.environ.get(NNODES_ENV), os.environ.get(NODE_RANK_ENV), os.environ.get(RDZV_ENDPOINT_ENV))
 
 
 # What DeepSpeed's launcher (`deepspeed`, deepspeed.launcher.launch) sets in each process it starts: the host's
@@ -122,8 +69,8 @@ class Launched:
     endpoint: str
 
 
-def launched_by_deepspeed(environ=os.environ) -> Launched | None:
-    """The place DeepSpeed's launcher gave this process, or None when it did not start it."""
+def launched_by_deepspeed(environ) -> Launched | None:
+    """The place DeepSpeed's launcher gave the process of `environ`, or None when it did not start it."""
     if not all(var in environ for var in DEEPSPEED_LAUNCHER):
         return None
     values = {var: environ[var] for var in DEEPSPEED_LAUNCHER}
@@ -202,7 +149,7 @@ def launch_config(run_id: str, local_ranks: int, nodes: Nodes) -> Iterator:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    from alignflow.core.engine import free_port
+    from alignflow.core.engine import free_port  # the engine imports DeepSpeed: not for the CLI's startup
 
     register_backend()
     loopback = nodes.host in ("127.0.0.1", "localhost", "::1")

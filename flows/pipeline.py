@@ -7,10 +7,8 @@ stops its descendants only. A stage whose artifact is finished ends in a `Cached
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
@@ -20,42 +18,15 @@ from prefect.utilities.annotations import quote
 
 from alignflow.core.spec import PipelineSpec
 from alignflow.flows import shutdown
-from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
-from alignflow.flows.execute import StageOutcome, execute_stage, total_processes
-from alignflow.flows.plan import StagePlan, plan_pipeline
+from alignflow.flows.execute import STATE_NAMES, StageOutcome, execute_stage
+from alignflow.flows.options import RunOptions
+from alignflow.flows.plan import Session, StagePlan, open_session
+from alignflow.flows.preflight import run_spec
+from alignflow.flows.remote import run_on_pool
+from alignflow.flows.remote_store import is_url
 from alignflow.flows.report import PipelineReport, StageReport
-from alignflow.flows.tracking import Tracker, git_state
-
-# What the Prefect UI shows for a stage that did not run its runner from the start.
-STATE_NAMES = {"cached": "Cached", "resumed": "Resumed"}
-
-
-@dataclass
-class Session:
-    """One pipeline run's spec, plans, artifact store and MLflow tracker."""
-
-    spec: PipelineSpec
-    spec_text: str  # the spec after overrides: what `reproduce` reruns
-    project: Path
-    plans: dict[str, StagePlan]
-    store: ArtifactStore
-    tracker: Tracker
-    plugins: object
-    started: float = field(default_factory=time.perf_counter)
-
-
-def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None) -> Session:
-    """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
-    from alignflow.core.plugins import get_plugins
-    from alignflow.flows.preflight import run_spec
-
-    raw, spec = run_spec(pipeline, overrides, project, take=True)  # checked (and data written) once per run
-    plugins = get_plugins()
-    plans = plan_pipeline(spec, project, plugins)
-    store = open_store(artifacts if artifacts is not None else project / "artifacts")  # a folder or a URL
-    return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
-                   Tracker(project, spec.name), plugins)
+from alignflow.flows.tracking import git_state
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="{name}")
@@ -64,11 +35,9 @@ def stage_task(name: str, session: Session, upstream: dict[str, PrefectFuture]) 
     outcomes = {stage: future.result() for stage, future in upstream.items()}
     plan, pool = session.plans[name], session.spec.pool_of(name)
     if pool is not None and session.store.manifest(name, plan.digest) is None:
-        from alignflow.flows.remote import run_on_pool  # a worker of `pool` runs it (flows/remote.py)
-
-        outcome = run_on_pool(pool, session, plan)
+        outcome = run_on_pool(pool, session, plan)  # a worker of `pool` runs it (flows/remote.py)
     else:
-        outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins)
+        outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins, session.options)
     if outcome.status in STATE_NAMES:
         return Completed(name=STATE_NAMES[outcome.status], data=outcome)
     return outcome
@@ -107,7 +76,7 @@ def start_tracking(session: Session) -> str:
     """Open the MLflow parent run with the spec and data.dvc as artifacts; returns its id."""
     tags = {"prefect.flow_run_id": str(flow_run.get_id()), "alignflow.pipeline": session.spec.name,
             "alignflow.data_version": str(data_version(session.project)),
-            NPROC_TAG: str(total_processes()), **git_state(session.project)}
+            NPROC_TAG: str(session.options.total_processes), **git_state(session.project)}
     files = {"spec.yaml": session.spec_text}
     dvc_file = session.project / "data.dvc"
     if dvc_file.is_file():
@@ -117,11 +86,14 @@ def start_tracking(session: Session) -> str:
 
 @flow(name="alignflow-pipeline", flow_run_name="{pipeline}", persist_result=False)
 def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: str = ".",
-                  artifacts: str | None = None) -> PipelineReport:
-    """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants."""
+                  artifacts: str | None = None, options: dict | None = None) -> PipelineReport:
+    """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants. `options`:
+    `RunOptions.as_dict()`; None (a deployment's run, a flow of your own) reads them from the environment."""
     shutdown.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
+    run_options = RunOptions.from_env() if options is None else RunOptions.from_dict(options)
     session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
-                           artifacts if is_url(artifacts) else Path(artifacts).resolve() if artifacts else None)
+                           artifacts if is_url(artifacts) else Path(artifacts).resolve() if artifacts else None,
+                           run_options)
     mlflow_run_id = start_tracking(session)
     futures = submit_stages(session)
     wait(list(futures.values()))
@@ -155,17 +127,17 @@ def register_final_model(session: Session, report: PipelineReport) -> None:
 
 def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path(".")) -> PipelineSpec:
     """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`), once a run."""
-    from alignflow.flows.preflight import run_spec
-
     return run_spec(pipeline, overrides, project)[1]
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                 artifacts: Path | str | None = None) -> PipelineReport:
-    """Run `pipeline_flow` and return its report, also when stages failed."""
+                 artifacts: Path | str | None = None, options: RunOptions | None = None) -> PipelineReport:
+    """Run `pipeline_flow` with `options` (None: `RunOptions.from_env()`) and return its report, also
+    when stages failed."""
     load_pipeline(pipeline, list(overrides), project)
+    options = RunOptions.from_env() if options is None else options
     state = pipeline_flow(str(pipeline), list(overrides), str(project),
-                          str(artifacts) if artifacts else None, return_state=True)
+                          str(artifacts) if artifacts else None, options.as_dict(), return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise result

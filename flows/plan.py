@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from alignflow.core.kinds import RANK_DEPENDENT_KINDS
+from alignflow.core.plugins import get_plugins
 from alignflow.core.rounds import RoundOf, round_seed
 from alignflow.core.spec import PipelineSpec, StageSpec
 from alignflow.flows import digest as dg
+from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.options import RunOptions
+from alignflow.flows.preflight import run_spec
+from alignflow.flows.remote_store import open_store
+from alignflow.flows.tracking import Tracker
 
 
 @dataclass(frozen=True)
@@ -35,16 +45,15 @@ class StagePlan:
 
 def runner_version(kind: str) -> dict:
     """The runner's module and a hash of its code and the alignflow code it imports: an edit reruns the stage."""
-    from alignflow.flows.stages.registry import RUNNERS
+    from alignflow.flows.stages.registry import RUNNERS  # every runner's code and torch: only when planning
 
     runner = RUNNERS[kind]
     return {"module": runner.__module__, "source": dg.code_hash(runner.__module__)}
 
 
-def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, StagePlan]:
-    """Plans in dependency order; a stage's digest folds in its upstream stages' digests."""
-    from alignflow.flows.execute import RANK_DEPENDENT_KINDS, data_parallel_ranks  # execute imports this module
-
+def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOptions = RunOptions()) -> dict[str, StagePlan]:
+    """Plans in dependency order; a stage's digest folds in its upstream stages' digests (and, for a
+    rank-dependent kind, the number of ranks `options` gives it)."""
     data_version = dg.data_version(project)
     plans: dict[str, StagePlan] = {}
     with closing(dg.project_hash_cache(project)) as cache:
@@ -68,8 +77,40 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins) -> dict[str, Stage
             versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
             parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
                      "data_version": data_version, "seed": seed}
-            if stage.kind in RANK_DEPENDENT_KINDS and (ranks := data_parallel_ranks(stage.kind)) > 1:
+            # (a rank-dependent kind is data-parallel: it runs on all of the run's processes)
+            if stage.kind in RANK_DEPENDENT_KINDS and (ranks := options.total_processes) > 1:
                 parts["processes"] = ranks  # absent for one process, so one-process digests stay as they were
             plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
                                     config, versions, data_version, seed, len(plans), round_of)
     return plans
+
+
+@dataclass
+class Session:
+    """One pipeline run's spec, plans, run options, artifact store and MLflow tracker."""
+
+    spec: PipelineSpec
+    spec_text: str  # the spec after overrides: what `reproduce` reruns
+    project: Path
+    plans: dict[str, StagePlan]
+    store: ArtifactStore
+    tracker: Tracker
+    plugins: object
+    options: RunOptions = field(default_factory=RunOptions)
+    started: float = field(default_factory=time.perf_counter)
+
+
+def plan_run(pipeline: Path, overrides: list[str], project: Path, options: RunOptions):
+    """(raw spec after overrides, spec, plugins, plans): the spec validated, missing data regenerated."""
+    raw, spec = run_spec(pipeline, overrides, project, take=True)  # checked (and data written) once per run
+    plugins = get_plugins()
+    return raw, spec, plugins, plan_pipeline(spec, project, plugins, options)
+
+
+def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None,
+                 options: RunOptions = RunOptions()) -> Session:
+    """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
+    raw, spec, plugins, plans = plan_run(pipeline, overrides, project, options)
+    store = open_store(artifacts if artifacts is not None else project / "artifacts", options)  # a folder or a URL
+    return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
+                   Tracker(project, spec.name), plugins, options)

@@ -19,13 +19,21 @@ import threading
 import time
 from pathlib import Path
 
-from alignflow.flows.child import ChildFailed, raise_failure, rank_main, stage_payload
-from alignflow.flows.nodes import (Nodes, connect, failures, launch_config, publish_failure, rendezvous_id,
-                                  run_ended)
+from alignflow.flows.child import ChildFailed, raise_failure, rank_main, run_in_child, stage_payload
+from alignflow.flows.nodes import connect, failures, launch_config, publish_failure, rendezvous_id, run_ended
+from alignflow.flows.options import Nodes
 from alignflow.flows.stages import StageContext, StageResult
 
 log = logging.getLogger(__name__)
 CAUSE_WAIT_S = 10.0  # after ranks here lost their peers: how long to wait for another node's report of why
+
+
+def run_in_processes(kind: str, ctx: StageContext, threads: int, ranks: int = 1,
+                     nodes: Nodes | None = None) -> StageResult | None:
+    """`run_ranks` for more than one rank (or on several nodes), else `run_in_child`: one spawned process."""
+    if ranks > 1 or (nodes is not None and nodes.many):
+        return run_ranks(kind, ctx, threads, ranks, nodes)
+    return run_in_child(kind, ctx, threads)
 
 
 def run_ranks(kind: str, ctx: StageContext, threads: int, ranks: int, nodes: Nodes | None = None) -> StageResult | None:

@@ -14,13 +14,13 @@ SIGTERMs the flow run, whose stage unwinds (its lock released, its checkpoints k
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import tempfile
 import threading
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from prefect import flow
@@ -28,44 +28,36 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Completed, State
 
 from alignflow.flows import shutdown
+from alignflow.flows.options import POOL_TIMEOUT_ENV, Nodes, RunOptions
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # these import torch: see below
     from alignflow.flows.execute import StageOutcome
-    from alignflow.flows.pipeline import Session
-    from alignflow.flows.plan import StagePlan
+    from alignflow.flows.plan import Session, StagePlan
 
-# The stage machinery (torch and all) is imported in the functions that run stages: a worker loads this
-# module without them to run a cancelled flow run's hooks, so a cancelled stage is Cancelled 15 s sooner.
+# The stage machinery (torch and all: flows.execute, flows.plan) is imported in the functions that run
+# stages: a worker loads this module without it to run a cancelled flow run's hooks, so a cancelled stage
+# is Cancelled 15 s sooner.
 log = logging.getLogger(__name__)
 
 STAGE_FLOW = "alignflow-stage"
-# How long a stage's flow run may wait for a worker of its pool to take it before the stage fails.
-POOL_TIMEOUT_ENV = "ALIGNFLOW_POOL_TIMEOUT"
-DEFAULT_POOL_TIMEOUT_S = 600
 POLL_S = 1.0
-NODE_VARS = ("ALIGNFLOW_NNODES", "ALIGNFLOW_NODE_RANK", "ALIGNFLOW_RDZV_ENDPOINT")  # `run --nnodes` etc.
+PLUGINS_ENV = "ALIGNFLOW_PLUGINS"  # core/plugins.py reads it in every process, the worker's flow run too
 _deploy_lock = threading.Lock()
-
-
-def pool_timeout() -> int:
-    """Seconds a stage waits for a worker of its pool: $ALIGNFLOW_POOL_TIMEOUT, else 600."""
-    from alignflow.flows.execute import stage_count
-
-    value = os.environ.get(POOL_TIMEOUT_ENV)
-    return DEFAULT_POOL_TIMEOUT_S if value is None else stage_count(value, POOL_TIMEOUT_ENV, "seconds")
 
 
 @flow(name=STAGE_FLOW, persist_result=False)
 def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, artifacts: str,
-               mlflow_parent: str | None = None) -> State:
-    """Run one stage of a pipeline on this worker; `spec` is the pipeline's resolved spec text."""
-    from alignflow.flows.execute import StageFailed, execute_stage
-    from alignflow.flows.pipeline import STATE_NAMES, open_session
+               mlflow_parent: str | None = None, options: dict | None = None) -> State:
+    """Run one stage of a pipeline on this worker; `spec` is the pipeline's resolved spec text, `options`
+    its `RunOptions.as_dict()` (None: read from this worker's environment)."""
+    from alignflow.flows.execute import STATE_NAMES, StageFailed, execute_stage  # torch: see above
+    from alignflow.flows.plan import open_session  # torch: see above
 
+    run_options = RunOptions.from_env() if options is None else RunOptions.from_dict(options)
     with tempfile.TemporaryDirectory(prefix="alignflow-stage-") as tmp:
         path = Path(tmp) / Path(source).name  # errors name the pipeline's file, not a temp name
         path.write_text(spec)
-        session = open_session(path, [], Path(project), artifacts)
+        session = open_session(path, [], Path(project), artifacts, run_options)
     plan = session.plans[stage]
     if plan.digest != digest:
         raise StageFailed(f"stage {stage!r}: this worker computes digest {plan.digest[:12]}, the pipeline "
@@ -74,7 +66,7 @@ def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, ar
     upstream = {name: finished(session, name, stage) for name in sorted(set(plan.upstream.values()))}
     session.tracker.parent_id = mlflow_parent  # the stage's MLflow run nests under the pipeline's
     try:
-        outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins)
+        outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins, run_options)
     except TerminationSignal:  # cancelled: the worker's SIGTERM, raised here by Prefect; the lock is free
         shutdown.close_open_runs()  # the stage's MLflow run, KILLED rather than left RUNNING
         raise
@@ -85,7 +77,7 @@ def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, ar
 def finished(session: Session, name: str, reader: str | None = None, status: str = "cached",
              seconds: float = 0.0) -> StageOutcome:
     """Stage `name`'s outcome from its manifest in the artifact store; `reader`: the stage that needs it."""
-    from alignflow.flows.execute import StageFailed, StageOutcome
+    from alignflow.flows.execute import StageFailed, StageOutcome  # torch: see above
 
     plan = session.plans[name]
     manifest = session.store.manifest(name, plan.digest)
@@ -98,11 +90,22 @@ def finished(session: Session, name: str, reader: str | None = None, status: str
                         manifest.get("mlflow_run_id"))
 
 
+def ensure_process_pool(name: str) -> None:
+    """Create the work pool as a `process` pool (no Docker) unless it exists."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+        except ObjectAlreadyExists:
+            pass
+
+
 def deploy_stage_flow(pool: str) -> str:
     """Create the process pool unless it exists and create or update `stage_flow`'s deployment on it."""
     from prefect.deployments.runner import EntrypointType
-
-    from alignflow.flows.deploy import ensure_process_pool
 
     with _deploy_lock:
         ensure_process_pool(pool)
@@ -118,28 +121,30 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
     from prefect.deployments import run_deployment
     from prefect.runtime import flow_run
 
-    from alignflow.flows.execute import StageFailed
-    from alignflow.flows.pipeline import STATE_NAMES
+    from alignflow.flows.execute import STATE_NAMES, StageFailed  # torch: see above
 
     deployment = deploy_stage_flow(pool)
     shutdown.sending_to_pool()  # a stop from here on finds the flow run by its tag and cancels it
-    # What the worker needs to plan the same digest and log where the pipeline logs: the run's
-    # ALIGNFLOW_* settings (--nproc and the like) and the MLflow store. Not where this run's nodes meet:
+    # What the worker needs to plan the same digest and log where the pipeline logs: the run's options
+    # (--nproc and the like), the plugins it loads and the MLflow store. Not where this run's nodes meet:
     # a stage on a pool runs its ranks on the worker's machine.
-    env = {k: v for k, v in os.environ.items() if k.startswith("ALIGNFLOW_") and k not in NODE_VARS}
-    env["MLFLOW_TRACKING_URI"] = session.tracker.uri
+    options = dataclasses.replace(session.options, nodes=Nodes())
+    env = {"MLFLOW_TRACKING_URI": session.tracker.uri}  # the worker process's environment, not this one's
+    if PLUGINS_ENV in os.environ:
+        env[PLUGINS_ENV] = os.environ[PLUGINS_ENV]
     run = run_deployment(
         deployment, timeout=0, as_subflow=False, flow_run_name=f"{session.spec.name}.{plan.name}",
         parameters={"spec": session.spec_text, "source": flow_run.parameters.get("pipeline", "pipeline.yaml"),
                     "stage": plan.name, "digest": plan.digest, "project": str(session.project),
-                    "artifacts": session.store.location, "mlflow_parent": session.tracker.parent_id},
+                    "artifacts": session.store.location, "mlflow_parent": session.tracker.parent_id,
+                    "options": options.as_dict()},
         tags=[f"alignflow.pipeline:{session.spec.name}", shutdown.pipeline_run_tag(flow_run.get_id())],
         job_variables={"env": env},
     )
     log.info("stage %r: flow run %s (%s) on work pool %r", plan.name, run.name, run.id, pool)
     # A stopped pipeline cancels it (flows/shutdown.py): its worker kills it, its checkpoints stay
     with get_client(sync_client=True) as client:
-        run = wait_for_run(client, run, pool, plan.name, pool_timeout())
+        run = wait_for_run(client, run, pool, plan.name, options.pool_timeout_s)
     state = run.state
     if not state.is_completed():
         failed = StageFailed(f"{shutdown.pool_label(plan.name, pool, run.name, run.id)} "
@@ -160,7 +165,7 @@ def wait_for_run(client, run, pool: str, stage: str, timeout: float):
     that worker lives: a run whose worker stops heartbeating (see `WorkerWatch`) is set Crashed."""
     from prefect.states import Cancelled
 
-    from alignflow.flows.execute import StageFailed
+    from alignflow.flows.execute import StageFailed  # torch: see above
 
     started = time.monotonic()
     watch = WorkerWatch(pool)

@@ -1,9 +1,9 @@
 """Stage artifacts under an fsspec URL (`s3://bucket/prefix`, `gs://`, `az://`, `file://`, `memory://`).
 
 The store keeps the local layout, `<url>/<stage>/<digest>/` with `out/`, `curves.json` and
-`manifest.json`. A stage runs in a local cache folder, `$ALIGNFLOW_CACHE` (else `~/.cache/alignflow`)
-then `artifacts/<protocol>/<path>/<stage>/<digest>/` (one per root: two roots never share a `work/`):
-runners get local paths. Each checkpoint is uploaded as it is written, to `checkpoints/` beside `out/`
+`manifest.json`. A stage runs in a local cache folder, `RunOptions.cache` ($ALIGNFLOW_CACHE, else
+`~/.cache/alignflow`) then `artifacts/<protocol>/<path>/<stage>/<digest>/` (one per root: two roots
+never share a `work/`): runners get local paths. Each checkpoint is uploaded as it is written, to `checkpoints/` beside `out/`
 (core/checkpoint_store.py), and a stage that starts on a machine without a checkpoint as new as the
 store's downloads the newest: a stage killed on one machine resumes on another. When it finishes it
 publishes: `out/` and `curves.json` first, then the manifest, written to a temporary name and moved
@@ -28,13 +28,11 @@ from typing import Iterator
 from alignflow.core import checkpoint_store
 from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.flows.artifacts import CURVES, MANIFEST, ArtifactStore, write_json_atomic
-from alignflow.flows.lease import LEASE_S, LeaseLock
+from alignflow.flows.lease import LeaseLock
+from alignflow.flows.options import LOCK_ENV, RunOptions
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "ALIGNFLOW_CACHE"
-LOCK_ENV = "ALIGNFLOW_ARTIFACT_LOCK"  # lease (default) | none: the user vouches for one writer at a time
-LEASE_ENV = "ALIGNFLOW_LOCK_LEASE_S"
 FETCHED = ".fetched"  # in a cache folder: its out/ is a complete copy of the published one
 # fsspec backends whose open(path, "xb") creates a file only if it is absent, atomically, with the first
 # release that does it for files of any size. Any other backend cannot hold the stage lock.
@@ -46,6 +44,17 @@ EXCLUSIVE_CREATE = {
     "AzureBlobFileSystem": ("adlfs", "2024.12.0"),  # If-None-Match: *
 }
 OBJECT_STORES = ("MemoryFileSystem", "S3FileSystem", "GCSFileSystem", "AzureBlobFileSystem")  # no folders
+
+
+def is_url(root: str | Path | None) -> bool:
+    """A root with a protocol (`s3://...`, `file://...`); a `Path` never is one."""
+    return isinstance(root, str) and "://" in root
+
+
+def open_store(root: str | Path, options: RunOptions = RunOptions()) -> ArtifactStore:
+    """The store at `root`: a local folder, or an fsspec URL (`s3://bucket/prefix`, `file://`, `memory://`)
+    with its cache and locking from `options`."""
+    return RemoteArtifactStore(root, options) if is_url(root) else ArtifactStore(Path(root))
 
 
 def exclusive_create_problem(fs) -> str | None:
@@ -66,18 +75,6 @@ def exclusive_create_problem(fs) -> str | None:
     return f"fsspec's {type(fs).__name__} cannot create a file only if absent (fsspec open(path, 'xb'))"
 
 
-def lease_seconds() -> float:
-    """$ALIGNFLOW_LOCK_LEASE_S, else 120: how long a dead run's stage lock outlives its last heartbeat."""
-    text = os.environ.get(LEASE_ENV, str(LEASE_S))
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise SpecError(f"{LEASE_ENV}={text!r}: expected a number of seconds above 0")
-    return value
-
-
 def _version(text: str) -> tuple:
     from packaging.version import Version
 
@@ -87,7 +84,7 @@ def _version(text: str) -> tuple:
 class RemoteArtifactStore(ArtifactStore):
     """An fsspec URL root; `folder()`, `work_dir()` and `outputs()` are paths in the local cache."""
 
-    def __init__(self, url: str, cache: Path | None = None, lease_s: float | None = None):
+    def __init__(self, url: str, options: RunOptions = RunOptions(), lease_s: float | None = None):
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
@@ -97,17 +94,14 @@ class RemoteArtifactStore(ArtifactStore):
             raise SpecError(f"artifacts root {url}: {exc}") from None
         self.base = base.rstrip("/")
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        cache = Path(cache or os.environ.get(CACHE_ENV)
-                     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "alignflow")
+        cache = Path(options.cache) if options.cache else Path.home() / ".cache" / "alignflow"
         super().__init__(cache / "artifacts" / protocol / self.base.lstrip("/"))
-        self.locking = os.environ.get(LOCK_ENV, "lease")
-        if self.locking not in ("lease", "none"):
-            raise SpecError(f"{LOCK_ENV}={self.locking!r}: expected 'lease' or 'none'")
+        self.locking = options.artifact_lock
         if self.locking == "lease" and (problem := exclusive_create_problem(self.fs)):
             raise SpecError(f"artifacts root {url}: {problem}, which the stage lock needs. Use a local path, "
                             f"file://, s3://, gs:// or az://; or set {LOCK_ENV}=none when only one run at a "
                             "time can write to this store (stages run twice at once would publish twice)")
-        self.lease_s = lease_s or lease_seconds()
+        self.lease_s = lease_s or options.lock_lease_s
         self.folders = not any(c.__name__ in OBJECT_STORES for c in type(self.fs).__mro__)
         self._held: dict[tuple[str, str], LeaseLock] = {}
 

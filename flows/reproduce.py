@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 from alignflow.core.errors import AlignflowError
 from alignflow.flows.data import dvc
+from alignflow.flows.options import RunOptions
+from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
 from alignflow.flows.report import PipelineReport
 from alignflow.flows.tracking import mlflow_key, tracking_uri
 
@@ -26,21 +30,9 @@ def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[s
             if not same(recorded.get(k), now.get(k))}
 
 
-@contextlib.contextmanager
-def recorded_processes(recorded: str | None) -> Iterator[None]:
-    """Inside: $ALIGNFLOW_NPROC as the run recorded it (runs from before the tag: as it is). After: as before."""
-    from alignflow.flows.execute import NPROC_ENV
-
-    before = os.environ.get(NPROC_ENV)
-    if recorded is not None:
-        os.environ[NPROC_ENV] = recorded
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(NPROC_ENV, None)
-        else:
-            os.environ[NPROC_ENV] = before
+def recorded_options(options: RunOptions, recorded: str | None) -> RunOptions:
+    """`options` with the processes the run recorded (runs from before the tag: as they are)."""
+    return options if recorded is None else dataclasses.replace(options, nproc=int(recorded))
 
 
 @contextlib.contextmanager
@@ -64,12 +56,9 @@ def recorded_data_version(recorded: str | None, project: Path) -> Iterator[bool]
             dvc(project, "checkout", "data.dvc")
 
 
-def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tuple]]:
-    """Rerun with a fresh artifacts root; returns the new report and {metric: (recorded, now)} mismatches."""
-    from mlflow.tracking import MlflowClient
-
-    from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
-
+def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions()) -> tuple[PipelineReport, dict[str, tuple]]:
+    """Rerun with a fresh artifacts root and `options`, on as many processes as the run recorded; returns
+    the new report and {metric: (recorded, now)} mismatches."""
     client = MlflowClient(tracking_uri(project))
     parent = client.get_run(run_id)
     if "mlflow.parentRunId" in parent.data.tags:
@@ -79,7 +68,8 @@ def reproduce(run_id: str, project: Path) -> tuple[PipelineReport, dict[str, tup
         names = {f.path for f in client.list_artifacts(run_id)}
         recorded_dvc = Path(client.download_artifacts(run_id, "data.dvc", tmp)).read_text() \
             if "data.dvc" in names else None
-        with recorded_data_version(recorded_dvc, project), recorded_processes(parent.data.tags.get(NPROC_TAG)):
+        options = recorded_options(options, parent.data.tags.get(NPROC_TAG))
+        with recorded_data_version(recorded_dvc, project):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
-            report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts")
+            report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts", options=options)
     return report, compare_metrics(parent.data.metrics, report.final_metrics())

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from alignflow.flows.lease import release_held
+
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0
@@ -226,8 +228,6 @@ def _stop(signum: int, frame) -> None:
     cancelling = _cancel(message)  # first, so the workers stop their stages while this process stops its own
     spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
     stop_processes([p for p in descendants(os.getpid()) if p not in spared])
-    from alignflow.flows.lease import release_held
-
     release_held()  # its stages' locks on a URL store, once their processes are gone: free now, not in a lease
     close_open_runs()
     _await(cancelling)

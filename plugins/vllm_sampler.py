@@ -196,7 +196,8 @@ class VLLMSampler(Sampler):
         return "ipc" if self.cuda else "file"
 
     def _engine_env(self):
-        """What the engine process must see at start: its KV space, its cores, this rank's GPU."""
+        """What the engine process must see at start: its KV space, its cores, this rank's GPU (vLLM reads them
+        from the environment; LOCAL_RANK is torch's launcher's)."""
         env = {"VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.config.kv_cache_gb))),
                "VLLM_CPU_OMP_THREADS_BIND": self.config.cpu_threads_bind}
         if self.cuda and "LOCAL_RANK" in os.environ and "CUDA_VISIBLE_DEVICES" not in os.environ:

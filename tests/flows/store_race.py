@@ -8,7 +8,8 @@ import os
 import time
 
 from alignflow.flows.artifacts import ArtifactStore
-from alignflow.flows.remote_store import CACHE_ENV, RemoteArtifactStore
+from alignflow.flows.options import RunOptions
+from alignflow.flows.remote_store import RemoteArtifactStore
 
 
 def finish_stage(store: ArtifactStore, stage: str, digest: str, text: str) -> dict:
@@ -21,8 +22,7 @@ def finish_stage(store: ArtifactStore, stage: str, digest: str, text: str) -> di
 
 def race(url: str, cache: str, log: str, lease_s: float) -> None:
     """One process's run of stage `s`: the check-and-run `execute_stage` does under the stage lock."""
-    os.environ[CACHE_ENV] = cache
-    store = RemoteArtifactStore(url, lease_s=lease_s)
+    store = RemoteArtifactStore(url, RunOptions(cache=cache), lease_s=lease_s)
     with store.lock("s", "d1"):
         ran = store.manifest("s", "d1") is None
         with open(log, "a") as f:
@@ -34,7 +34,7 @@ def race(url: str, cache: str, log: str, lease_s: float) -> None:
 
 def hold_and_die(url: str, lease_s: float, ready) -> None:
     """Take the lock and sleep until killed (SIGKILL: the lock is never released)."""
-    store = RemoteArtifactStore(url, lease_s=lease_s)
+    store = RemoteArtifactStore(url, RunOptions.from_env(), lease_s=lease_s)
     held = store.lock("s", "d1")
     held.__enter__()
     ready.set()

@@ -18,10 +18,11 @@ from fsspec.spec import AbstractFileSystem
 
 from alignflow.core.errors import SpecError
 from alignflow.flows import remote_store
-from alignflow.flows.artifacts import ArtifactStore, open_store
+from alignflow.flows.artifacts import ArtifactStore
 from alignflow.flows.lease import LeaseLock, LockLost, release_held
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.remote_store import CACHE_ENV, LOCK_ENV, RemoteArtifactStore
+from alignflow.flows.options import CACHE_ENV, LOCK_ENV, RunOptions
+from alignflow.flows.remote_store import RemoteArtifactStore, open_store
 from reports import statuses
 from store_race import finish_stage, hold_and_die, race
 
@@ -34,7 +35,7 @@ def rows(path: Path) -> list[dict]:
 
 def test_a_local_path_keeps_the_local_store():
     assert type(open_store(Path("artifacts"))) is ArtifactStore
-    assert type(open_store("artifacts")) is ArtifactStore  # `--artifacts artifacts`: a folder, not a URL
+    assert type(open_store("artifacts", RunOptions.from_env())) is ArtifactStore  # `--artifacts artifacts`: a folder, not a URL
 
 
 def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_path, make_project, monkeypatch):
@@ -42,7 +43,7 @@ def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-a"))
     first = run_pipeline(project / "chain.yaml", [], project, artifacts=url)
     assert statuses(first) == {"a": "ran", "b": "ran", "c": "ran", "d": "ran"}
-    store = open_store(url)
+    store = open_store(url, RunOptions.from_env())
     fs, base = store.fs, store.base
     for line in first.stages:  # every stage published: outputs, curves, and the manifest
         digest = Path(line.artifact).name
@@ -68,13 +69,13 @@ def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_
     assert gets == [f"{base}/b/{b_digest}/out/data.jsonl"]
     cached = sorted(p.relative_to(tmp_path / "machine-b").parts[-3] for p in (tmp_path / "machine-b").rglob("out"))
     assert cached == ["b", "c"]  # a and d: their manifests only
-    open_store(url).fetch("b", b_digest)  # a later stage reading b on this machine: no second download
+    open_store(url, RunOptions.from_env()).fetch("b", b_digest)  # a later stage reading b on this machine: no second download
     assert len(gets) == 1
 
 
 def test_the_manifest_is_written_after_every_output(url, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    store = open_store(url)
+    store = open_store(url, RunOptions.from_env())
     fs, seen = store.fs, []
 
     def check_then(method):
@@ -108,7 +109,7 @@ def test_the_manifest_is_written_after_every_output(url, tmp_path, monkeypatch):
 
 def test_an_interrupted_publish_leaves_no_manifest_and_the_rerun_replaces_it(url, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    store = open_store(url)
+    store = open_store(url, RunOptions.from_env())
     put = RemoteArtifactStore._put
 
     def fail_at_the_curves(self, local, rpath):
@@ -132,7 +133,7 @@ def test_an_interrupted_publish_leaves_no_manifest_and_the_rerun_replaces_it(url
     with store.lock("s", "d1"):
         manifest = finish_stage(store, "s", "d1", "new\n")
     assert store.fs.find(f"{store.base}/s/d1/out") == [f"{store.base}/s/d1/out/data.jsonl"]
-    assert open_store(url).manifest("s", "d1") == manifest
+    assert open_store(url, RunOptions.from_env()).manifest("s", "d1") == manifest
     assert not store.checkpoint_dir("s", "d1").exists()
 
 
@@ -152,7 +153,7 @@ def test_two_processes_racing_for_a_stage_run_it_once(tmp_path, monkeypatch):
     winner = next(pid for pid, status, _ in lines if status == "ran")
     loser_at = next(float(t) for _, status, t in lines if status == "cached")
     assert loser_at - next(float(t) for _, status, t in lines if status == "ran") >= 1.5  # waited the run out
-    store = RemoteArtifactStore(url)
+    store = RemoteArtifactStore(url, RunOptions.from_env())
     assert store.manifest("s", "d1")["outputs"] == {"dataset": "out/data.jsonl"}
     assert store.fs.cat_file(f"{store.base}/s/d1/out/data.jsonl") == f"{winner}\n".encode()
     assert store.fs.ls(f"{store.base}/s/d1.lock", detail=False) == []
@@ -170,7 +171,7 @@ def test_a_dead_owners_lock_is_taken_once_its_lease_expires(tmp_path, monkeypatc
     owner.kill()
     owner.join()
     expires = json.loads(fs.cat_file(f"{folder}/0000000000"))["expires"]  # its heartbeat's last renewal
-    with RemoteArtifactStore(url, lease_s=lease).lock("s", "d1"):
+    with RemoteArtifactStore(url, RunOptions.from_env(), lease_s=lease).lock("s", "d1"):
         taken = time.time()
         assert fs.ls(folder, detail=False) == [f"{folder}/0000000001"]  # the next number; the dead one deleted
     # not before the dead owner's lease ran out, and within a poll (lease / 4) after it
@@ -236,14 +237,14 @@ def test_a_backend_without_exclusive_create_is_refused_unless_the_user_opts_out(
     fsspec.register_implementation("fakes3", S3FileSystem, clobber=True)
     with pytest.raises(SpecError, match=r"noexcl://bucket: fsspec's NoExclusiveFS cannot create a file only if "
                                         r"absent .* ALIGNFLOW_ARTIFACT_LOCK=none"):
-        open_store("noexcl://bucket")
+        open_store("noexcl://bucket", RunOptions.from_env())
     monkeypatch.setattr(remote_store.md, "version", lambda dist: "2025.3.0")
     with pytest.raises(SpecError, match=r"s3fs 2025.3.0 cannot create a file only if absent; s3fs>=2025.7.0 can"):
-        open_store("fakes3://bucket/prefix")
+        open_store("fakes3://bucket/prefix", RunOptions.from_env())
     monkeypatch.setattr(remote_store.md, "version", lambda dist: "2025.9.0")
-    assert open_store("fakes3://bucket/prefix").locking == "lease"
+    assert open_store("fakes3://bucket/prefix", RunOptions.from_env()).locking == "lease"
     monkeypatch.setenv(LOCK_ENV, "none")
-    assert open_store("noexcl://bucket").locking == "none"
+    assert open_store("noexcl://bucket", RunOptions.from_env()).locking == "none"
     monkeypatch.setenv(LOCK_ENV, "off")
     with pytest.raises(SpecError, match="ALIGNFLOW_ARTIFACT_LOCK='off': expected 'lease' or 'none'"):
-        open_store("memory://x")
+        open_store("memory://x", RunOptions.from_env())

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from alignflow.core import checkpoint, checkpoint_store
-from alignflow.flows.artifacts import open_store
+from alignflow.flows.options import CACHE_ENV, RunOptions
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.remote_store import CACHE_ENV
+from alignflow.flows.remote_store import open_store
 from reports import statuses
 from store_race import finish_stage
 
@@ -41,7 +41,7 @@ def fake_checkpoint(root: Path, step: int, keep: int = 2) -> Path:
 def test_checkpoints_go_to_the_store_marker_last_rotated_as_here_and_the_newest_comes_back_elsewhere(
         url, tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-a"))
-    store = open_store(url)
+    store = open_store(url, RunOptions.from_env())
     fs, remote = store.fs, store.remote("s", "d1", "checkpoints")
     puts, gets = [], []
     put_file, get_file = type(fs).put_file, type(fs).get_file
@@ -66,7 +66,7 @@ def test_checkpoints_go_to_the_store_marker_last_rotated_as_here_and_the_newest_
 
     # Machine B: the newest policy step, 6, and the critic's at the policy's step (not its newest, 8)
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-b"))
-    other = open_store(url)
+    other = open_store(url, RunOptions.from_env())
     with other.lock("s", "d1"):
         other.fresh_work_dir("s", "d1")
     there = other.checkpoint_dir("s", "d1")

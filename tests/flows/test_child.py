@@ -20,7 +20,9 @@ from alignflow.core.settings import TrainSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.task import write_datasets
 from alignflow.flows.child import ChildFailed, plugin_recipe, run_in_child
-from alignflow.flows.execute import NPROC_ENV, PARALLEL_ENV, data_parallel_ranks, parallel_stages
+from alignflow.flows.execute import data_parallel_ranks
+from alignflow.flows.options import NPROC_ENV, PARALLEL_ENV, RunOptions
+from alignflow.flows.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.sft import run_sft
 
@@ -77,7 +79,7 @@ def two_ranks(tmp_path_factory, data):
     """One run of the stage on two ranks, for the tests below: (its folder, logged metrics, result)."""
     root = tmp_path_factory.mktemp("two-ranks")
     ctx, logged = context(root, data, **TWO_RANKS)
-    return root, logged, run_in_child("sft", ctx, threads=1, ranks=2)
+    return root, logged, run_in_processes("sft", ctx, threads=1, ranks=2)
 
 
 @pytest.mark.system
@@ -173,14 +175,12 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0  # a zombie is gone
 
 
-def test_parallel_stages_reads_the_environment(monkeypatch):
-    monkeypatch.setenv(PARALLEL_ENV, "3")
-    assert parallel_stages() == 3
-    monkeypatch.setenv(PARALLEL_ENV, "0")
+def test_parallel_stages_come_from_the_flag_else_the_environment():
+    assert RunOptions.from_env({PARALLEL_ENV: "3"}).parallel_stages == 3
+    assert RunOptions.from_env({PARALLEL_ENV: "3"}, parallel=2).parallel_stages == 2  # the flag wins
     with pytest.raises(SpecError, match="ALIGNFLOW_PARALLEL_STAGES='0': expected a whole number"):
-        parallel_stages()
-    monkeypatch.delenv(PARALLEL_ENV)
-    assert parallel_stages() == max(1, (os.cpu_count() or 1) // 8)
+        RunOptions.from_env({PARALLEL_ENV: "0"})
+    assert RunOptions.from_env({}).parallel_stages == max(1, (os.cpu_count() or 1) // 8)
 
 
 def _raises(fn, *args):
@@ -211,19 +211,16 @@ def test_plugin_recipe_rebuilds_importable_plugins_and_refuses_local_ones():
     assert plugin_recipe(own) is None
 
 
-def test_nproc_applies_to_the_data_parallel_stage_kinds_only(monkeypatch):
-    monkeypatch.setenv(NPROC_ENV, "2")
+def test_nproc_applies_to_the_data_parallel_stage_kinds_only():
+    options = RunOptions.from_env({NPROC_ENV: "2"})
     kinds = ("sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "step_labels", "evaluate")
-    assert [data_parallel_ranks(k) for k in kinds] == [2] * len(kinds)
-    assert data_parallel_ranks("select") == 1
-    monkeypatch.setenv(NPROC_ENV, "0")
+    assert [data_parallel_ranks(k, options) for k in kinds] == [2] * len(kinds)
+    assert data_parallel_ranks("select", options) == 1
     with pytest.raises(SpecError, match="ALIGNFLOW_NPROC='0': expected a whole number of processes"):
-        data_parallel_ranks("evaluate")  # a bad value is an error whatever the stage
-    monkeypatch.setenv(NPROC_ENV, "two")
+        RunOptions.from_env({NPROC_ENV: "0"})  # a bad value is an error whatever the stages
     with pytest.raises(SpecError, match="ALIGNFLOW_NPROC='two': expected a whole number of processes"):
-        data_parallel_ranks("sft")
-    monkeypatch.delenv(NPROC_ENV)
-    assert data_parallel_ranks("sft") == 1
+        RunOptions.from_env({NPROC_ENV: "two"})
+    assert data_parallel_ranks("sft", RunOptions.from_env({})) == 1
 
 
 def test_a_free_stage_slot_goes_to_the_waiting_stage_first_in_the_pipeline_order():

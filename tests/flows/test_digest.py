@@ -150,7 +150,7 @@ def test_a_plugin_digest_covers_the_helper_modules_of_its_own_package(tmp_path, 
 def test_the_number_of_processes_enters_the_digest_of_rl_stages_only(tmp_path, monkeypatch):
     """An rl stage's ranks sample with their own seeds, so two processes make other rollouts than one;
     an sft stage lands on the same weights whatever the number."""
-    from alignflow.flows.execute import NPROC_ENV
+    from alignflow.flows.options import RunOptions
 
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2", "answer": "2"}\n')
     spec = parse_spec({"name": "p", "stages": {
@@ -158,14 +158,12 @@ def test_the_number_of_processes_enters_the_digest_of_rl_stages_only(tmp_path, m
         "rl": {"kind": "rl", "inputs": {"model": "stage:sft", "dataset": "rows.jsonl"}, "algorithm": "grpo",
                "rewards": ["math_accuracy"], "sampler": "hf"}}})
 
-    def plan():
-        return {n: p.digest for n, p in plan_pipeline(spec, tmp_path, get_plugins()).items()}
+    def plan(options=RunOptions()):
+        return {n: p.digest for n, p in plan_pipeline(spec, tmp_path, get_plugins(), options).items()}
 
     one = plan()
-    monkeypatch.setenv(NPROC_ENV, "1")
-    assert plan() == one
-    monkeypatch.setenv(NPROC_ENV, "2")
-    assert changed(one, plan()) == {"rl"}
+    assert plan(RunOptions(nproc=1)) == one
+    assert changed(one, plan(RunOptions(nproc=2))) == {"rl"}
 
 
 def test_code_hash_follows_imports_made_inside_functions(tmp_path, monkeypatch):

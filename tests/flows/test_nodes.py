@@ -20,8 +20,9 @@ from alignflow.core.errors import SpecError
 from alignflow.core.task import write_datasets
 from alignflow.flows import cli
 from alignflow.flows.cli import build_parser, cmd_run
-from alignflow.flows.execute import NPROC_ENV
-from alignflow.flows.nodes import LAUNCHER_VARS, NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV, Nodes, parse_nodes
+from alignflow.flows.nodes import LAUNCHER_VARS
+from alignflow.flows.options import (NNODES_ENV, NODE_RANK_ENV, NPROC_ENV, RDZV_ENDPOINT_ENV, Nodes, RunOptions,
+                                     parse_nodes)
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.shutdown import descendants
 
@@ -104,12 +105,7 @@ def two_nodes(project):
 @pytest.fixture(scope="module")
 def reference(project) -> Path:
     """The sft stage run here with --nproc 2 (one node of two ranks) into its own artifacts folder."""
-    before = os.environ.get(NPROC_ENV)
-    os.environ[NPROC_ENV] = "2"
-    try:
-        report = run_pipeline(project / "one.yaml", [], project, project / "one-node")
-    finally:
-        os.environ.pop(NPROC_ENV) if before is None else os.environ.__setitem__(NPROC_ENV, before)
+    report = run_pipeline(project / "one.yaml", [], project, project / "one-node", RunOptions(nproc=2))
     return Path(next(s for s in report.stages if s.name == "sft").artifact)
 
 

@@ -20,7 +20,7 @@ from alignflow.core.sampling import Generation
 from alignflow.core.settings import PRMSettings, StepLabelSettings
 from alignflow.core.spec import parse_spec
 from alignflow.core.tokenizer import build_char_tokenizer
-from alignflow.flows.child import run_in_child
+from alignflow.flows.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import best_of_n
 from alignflow.flows.stages.prm import run_prm, step_major
@@ -110,7 +110,7 @@ def label_stage(tmp_path, model, reward, label, name="labels", prompts=4, ranks=
         "sampler": "scripted", "settings": {"n": 3, "rollouts": 4, "label": label, "step_separator": "1"}}}},
         plugins=plugs)
     ctx = context(tmp_path, name, StepLabelSettings, spec.stages["sl"], inputs, plugs, seed=5)
-    return run_step_labels(ctx) if ranks is None else run_in_child("step_labels", ctx, threads=1, ranks=ranks)
+    return run_step_labels(ctx) if ranks is None else run_in_processes("step_labels", ctx, threads=1, ranks=ranks)
 
 
 def rows_of(result) -> list[dict]:

@@ -134,13 +134,13 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output, 
 def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch, tiny_model):
     """130 prompts are three seeded chunks of 64: rank 0 samples and scores chunks 0 and 2, rank 1 chunk 1,
     and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
-    from alignflow.flows.child import run_in_child
+    from alignflow.flows.ranks import run_in_processes
 
     context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
     results, calls = {}, {}
     for ranks in (1, 2):
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))
-        results[ranks] = run_in_child("rejection_sampling", context(f"ranks{ranks}"), threads=1, ranks=ranks)
+        results[ranks] = run_in_processes("rejection_sampling", context(f"ranks{ranks}"), threads=1, ranks=ranks)
         calls[ranks] = sorted((tmp_path / f"calls{ranks}").read_text().splitlines())
     assert calls == {1: ["0 generate 2", "0 generate 64", "0 generate 64", "0 score 260"],
                      2: ["0 generate 2", "0 generate 64", "0 score 128", "0 score 4", "1 generate 64", "1 score 128"]}

@@ -74,23 +74,19 @@ def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkey
     assert sorted(r.data.tags["alignflow.status"] for r in again) == ["ran", "ran"]
     recorded = parent.data.metrics
     assert {"sft.train/loss", "sft.eval/loss", "sft.eval/accuracy", "sft.steps"} <= set(recorded)
-    assert parent.data.tags["alignflow.nproc"] == "1"  # what a reproduction sets $ALIGNFLOW_NPROC to
+    assert parent.data.tags["alignflow.nproc"] == "1"  # the processes a reproduction runs on
     assert not math.isnan(recorded["sft.train/loss"])
 
 
-def test_the_recorded_process_count_holds_for_the_rerun_then_is_put_back(monkeypatch):
-    from alignflow.flows.reproduce import recorded_processes
+def test_the_rerun_takes_the_recorded_process_count_and_leaves_the_environment_alone():
+    from alignflow.flows.options import RunOptions
+    from alignflow.flows.reproduce import recorded_options
 
-    monkeypatch.delenv("ALIGNFLOW_NPROC", raising=False)
-    with recorded_processes("2"):
-        assert os.environ["ALIGNFLOW_NPROC"] == "2"
-    assert "ALIGNFLOW_NPROC" not in os.environ
-    monkeypatch.setenv("ALIGNFLOW_NPROC", "4")
-    with recorded_processes("1"):
-        assert os.environ["ALIGNFLOW_NPROC"] == "1"
-    assert os.environ["ALIGNFLOW_NPROC"] == "4"
-    with recorded_processes(None):  # a run from before the tag: the environment as it is
-        assert os.environ["ALIGNFLOW_NPROC"] == "4"
+    before = dict(os.environ)
+    given = RunOptions(nproc=4, parallel=2)
+    assert recorded_options(given, "2") == RunOptions(nproc=2, parallel=2)
+    assert recorded_options(given, None) is given  # a run from before the tag: the options as given
+    assert dict(os.environ) == before
 
 
 def test_the_recorded_data_version_is_checked_out_for_the_rerun_then_put_back(tmp_path):

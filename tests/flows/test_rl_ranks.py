@@ -5,7 +5,7 @@ import torch
 
 from alignflow.core import SpecError
 from alignflow.core.plugins import get_plugins
-from alignflow.flows.child import run_in_child
+from alignflow.flows.ranks import run_in_processes
 from alignflow.flows.stages.rl import check_ranks, run_rl
 from recording import Samplers
 from test_rl_stage import TestRewards, make_ctx, weights, with_prm, write_rows
@@ -50,7 +50,7 @@ def test_two_ranks_train_as_one_process_does_on_the_same_rollouts(tmp_path, plug
         ctx.inputs["eval_dataset"] = evals
         if algorithm == "ppo_process":
             with_prm(ctx, tiny, tmp_path / f"ranks{ranks}", outcome="odd_prompt")
-        runs[ranks] = (run_rl(ctx) if ranks == 1 else run_in_child("rl", ctx, threads=1, ranks=2)), log
+        runs[ranks] = (run_rl(ctx) if ranks == 1 else run_in_processes("rl", ctx, threads=1, ranks=2)), log
     (one, one_log), (two, two_log) = runs[1], runs[2]
     assert [s for s, _ in two_log] == [s for s, _ in one_log] == [1, 2, 2]
     for (_, a), (_, b) in zip(one_log, two_log):
@@ -78,7 +78,7 @@ def test_dapo_refills_over_two_ranks(tmp_path, plugins, tiny):
     log = []
     data = write_rows(tmp_path / "rl.jsonl", ["dead", "x", "dead", "dead"])
     ctx = make_ctx(tmp_path, plugins, tiny, "dapo", data, log, max_steps=1, group_size=8, micro_batch_size=8)
-    result = run_in_child("rl", ctx, threads=1, ranks=2)
+    result = run_in_processes("rl", ctx, threads=1, ranks=2)
     metrics = log[0][1]
     assert metrics["sampling/rounds"] >= 2 and metrics["sampling/groups_kept"] == 2
     assert metrics["perf/tokens"] > 0 and metrics["actor/grad_norm"] > 0

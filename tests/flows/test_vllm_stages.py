@@ -21,7 +21,7 @@ from alignflow.core.models import build_tiny  # noqa: E402
 from alignflow.core.plugins import Plugins  # noqa: E402
 from alignflow.core.settings import EvaluateSettings, SampleSettings  # noqa: E402
 from alignflow.core.spec import StageSpec, parse_spec  # noqa: E402
-from alignflow.flows.child import run_in_child  # noqa: E402
+from alignflow.flows.ranks import run_in_processes  # noqa: E402
 from alignflow.flows.stages import StageContext  # noqa: E402
 from alignflow.flows.stages.evaluate import run_evaluate  # noqa: E402
 from alignflow.flows.stages.rl import run_rl  # noqa: E402
@@ -128,7 +128,7 @@ def test_two_ranks_each_with_an_engine_sample_what_one_hf_process_does(tmp_path)
         (tmp_path / sampler).mkdir()
         ctx = StageContext("rs", stage, SampleSettings.model_validate(stage.settings), inputs, tmp_path / sampler,
                            tmp_path / f"ckpt-{sampler}", 7, lambda m, s: None, plugs)
-        out[sampler] = run_in_child("rejection_sampling", ctx, threads=1, ranks=ranks)
+        out[sampler] = run_in_processes("rejection_sampling", ctx, threads=1, ranks=ranks)
     assert out["vllm"].metrics == out["hf"].metrics and out["hf"].metrics["rows_written"] > 0
     assert out["vllm"].outputs["dataset"].read_bytes() == out["hf"].outputs["dataset"].read_bytes()
 

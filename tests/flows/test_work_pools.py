@@ -297,7 +297,7 @@ def test_a_worker_that_heartbeats_is_never_judged_gone_and_a_silent_one_is_after
 def test_a_stage_pool_overrides_the_pipeline_map_and_names_are_checked(monkeypatch):
     from alignflow.core.errors import SpecError
     from alignflow.core.spec import parse_spec
-    from alignflow.flows.remote import pool_timeout
+    from alignflow.flows.options import RunOptions
 
     rows = {"kind": "select", "inputs": {"dataset": "in.jsonl"}, "selectors": ["dedup"]}
     spec = parse_spec({"name": "p", "pools": {"select": "cpu"}, "stages": {
@@ -308,10 +308,9 @@ def test_a_stage_pool_overrides_the_pipeline_map_and_names_are_checked(monkeypat
         parse_spec({"name": "p", "stages": {"a": {**rows, "pool": "gpu/1"}}}, "p.yaml")
     with pytest.raises(SpecError, match=r"p.yaml: pools.train.\[key\]: Input should be 'select'"):
         parse_spec({"name": "p", "pools": {"train": "gpu"}, "stages": {"a": rows}}, "p.yaml")
-    assert pool_timeout() == 600
-    monkeypatch.setenv("ALIGNFLOW_POOL_TIMEOUT", "0")
+    assert RunOptions.from_env({}).pool_timeout_s == 600
     with pytest.raises(SpecError, match="ALIGNFLOW_POOL_TIMEOUT='0': expected a whole number of seconds"):
-        pool_timeout()
+        RunOptions.from_env({"ALIGNFLOW_POOL_TIMEOUT": "0"})
 
 
 def test_deploy_creates_the_stage_deployment_on_each_pool_the_spec_names(tmp_path, monkeypatch, capsys):
