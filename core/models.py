@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from alignflow.core import packing  # a module attribute, so stage digests include its source
+from alignflow.core.logits import entropy_from_logits, logprobs_from_logits
 from alignflow.core.adapters import ADAPTER_CONFIG, is_adapter_dir
 from alignflow.core.errors import AlignflowError
 
@@ -216,28 +217,6 @@ class ValueModel(torch.nn.Module):
     def save_pretrained(self, out, state_dict: dict[str, Tensor]) -> None:
         prefix = "classifier."
         self.classifier.save_pretrained(out, state_dict={k.removeprefix(prefix): v for k, v in state_dict.items()})
-
-
-def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[tokens] without materialising the full log-softmax; fp32 result."""
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    # Half precision: upcast one sequence at a time rather than the whole [B, T, V] tensor.
-    return torch.stack([
-        row.float().log_softmax(-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        for row, tok in zip(logits, tokens)
-    ])
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last axis, in fp32, one sequence at a time."""
-    out = []
-    for row in logits:
-        row = row.float()
-        probs = row.softmax(-1)
-        out.append(torch.logsumexp(row, -1) - (probs * row).sum(-1))
-    return torch.stack(out)
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask: Tensor | None = None,

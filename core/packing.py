@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from alignflow.core.logits import entropy_from_logits, logprobs_from_logits
+
 log = logging.getLogger(__name__)
 
 PACK_WIDTH = 256  # tokens per packed row at least: attention over it costs little beside the matmuls
@@ -119,8 +121,6 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
                           return_entropy: bool, share_prompts: bool = True):
     """`token_logprobs` on packed rows (see the module docstring). `mask` [B, T]: the scored tokens; a row's
     prompt is its real tokens before its first scored one. Real tokens of a row must be contiguous."""
-    from alignflow.core.models import entropy_from_logits, logprobs_from_logits
-
     B, T = input_ids.shape
     device = input_ids.device
     prompts = None
