@@ -18,11 +18,12 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
-from alignflow.core.spec import PipelineSpec
+from alignflow.core.spec import PipelineSpec, parse_spec
 from alignflow.flows import shutdown
 from alignflow.flows.artifacts import ArtifactStore, is_url, open_store
 from alignflow.flows.digest import data_version
 from alignflow.flows.execute import StageOutcome, execute_stage, total_processes
+from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import StagePlan, plan_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import Tracker, git_state
@@ -48,10 +49,12 @@ class Session:
 def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None) -> Session:
     """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
     from alignflow.core.plugins import get_plugins
-    from alignflow.flows.preflight import run_spec
+    from alignflow.flows.data import ensure_data
 
-    raw, spec = run_spec(pipeline, overrides, project, take=True)  # checked (and data written) once per run
+    raw = apply_overrides(yaml.safe_load(pipeline.read_text()) or {}, overrides)
     plugins = get_plugins()
+    spec = parse_spec(raw, str(pipeline), plugins)
+    ensure_data(spec, project)
     plans = plan_pipeline(spec, project, plugins)
     store = open_store(artifacts if artifacts is not None else project / "artifacts")  # a folder or a URL
     return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
@@ -157,7 +160,7 @@ def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path("."
     """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`), once a run."""
     from alignflow.flows.preflight import run_spec
 
-    return run_spec(pipeline, overrides, project)[1]
+    return run_spec(pipeline, overrides, project, take=True)[1]  # the CLI's check, when it made one
 
 
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
