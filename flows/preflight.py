@@ -168,8 +168,8 @@ def _run_key(pipeline: Path, overrides, project: Path) -> tuple | None:
 
 def run_spec(pipeline: Path, overrides: list[str], project: Path, take: bool = False) -> tuple[dict, PipelineSpec]:
     """The raw spec (overrides applied) and the checked spec of a run, read and checked once: by the first
-    to ask (the CLI, `run_pipeline`) and handed to the next; the run's flow `take`s it, so the next run checks
-    its inputs anew."""
+    to ask (the CLI, `run_pipeline`) and handed to the next; the run's flow `take`s it (its session), so the
+    next run checks its inputs anew."""
     key = _run_key(pipeline, overrides, project)
     if key not in _checked:
         check_pipeline(pipeline, overrides, project, regenerate=True)

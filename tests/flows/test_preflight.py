@@ -168,8 +168,7 @@ def test_a_self_play_sampling_stage_reads_sft_rows(project):
 
 
 def test_a_run_reads_and_checks_its_spec_once(project, monkeypatch):
-    """The CLI's check, `run_pipeline`'s and the flow's session share one read: the flow takes it, and the next
-    run reads (and checks its inputs) anew."""
+    """The CLI's check and `run_pipeline`'s share one read; taking it, the next run reads (and checks) anew."""
     from alignflow.flows import preflight
 
     (project / "rl.jsonl").write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
@@ -179,7 +178,7 @@ def test_a_run_reads_and_checks_its_spec_once(project, monkeypatch):
     spec = check_pipeline(project / "p.yaml", sets, project, regenerate=True)  # `alignflow run`'s preflight
     raw, same = preflight.run_spec(project / "p.yaml", sets, project)  # run_pipeline's
     assert same is spec and raw["stages"]["sample"]["inputs"]["model"] == "./base"
-    assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is spec  # the flow's session
+    assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is spec
     assert len(reads) == 1
     assert spec.stages["rl"].validated_settings().group_size == 8  # settings kept as validated
     assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is not spec  # the next run
