@@ -26,7 +26,7 @@ SPEC = {
     },
 }
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("one_thread")]  # a run starts Prefect and a child
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ def test_flags_override_the_variables_and_errors_name_what_was_given():
         RunOptions.from_env({LOCK_ENV: "off"})
 
 
+@pytest.mark.system  # starts two ranks
 def test_nproc_given_as_a_flag_reaches_the_stages_ranks_and_the_environment_is_untouched(tmp_path, monkeypatch,
                                                                                          capsys):
     """`run --nproc 2` over ALIGNFLOW_NPROC=1: the sft stage's two ranks form a group of two (its 8 rows a
