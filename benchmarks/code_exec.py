@@ -18,7 +18,7 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from alignflow.core.sandbox import default_python
+from alignflow.core.sandbox.runner import default_python
 from alignflow.plugins.code_exec import CodeExec
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]

@@ -22,10 +22,10 @@ import time
 import torch
 import transformers
 
-from alignflow.core.engine import Engine
-from alignflow.core.models import token_logprobs
-from alignflow.core.preference import TokenBatch
-from alignflow.core.settings import TrainSettings
+from alignflow.core.train.engine import Engine
+from alignflow.core.train.models import token_logprobs
+from alignflow.core.train.offline import TokenBatch
+from alignflow.core.spec.settings import TrainSettings
 from alignflow.plugins.sft import SFT
 
 

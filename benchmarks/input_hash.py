@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows import digest as dg
 from alignflow.flows.plan import plan_pipeline
 

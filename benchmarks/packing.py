@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from alignflow.core import packing
-from alignflow.core.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.train import packing
+from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
 
 
 def batch(tok, groups: int, size: int, repeat: int, seed: int = 0):

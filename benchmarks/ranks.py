@@ -2,7 +2,7 @@
 
     python benchmarks/ranks.py [--model builtin:tiny|PATH] [--nproc 2] [--steps 4] [--prompts 512]
 
-Each stage runs as `alignflow run --nproc` runs it (flows/child.py): one process with every thread,
+Each stage runs as `alignflow run --nproc` runs it (flows/launch/child.py): one process with every thread,
 then N ranks sharing the threads (or one GPU each). Prints JSON: per variant the wall seconds of the
 stage (process start-up included) and, for rl, the median `time/step` rank 0 logged (GRPO, 64
 prompts x 8, 48 new tokens); `ratio` is one process / N ranks, so above 1 means the ranks were faster.
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.kinds import settings_model
-from alignflow.core.spec import parse_spec
-from alignflow.core.task import write_datasets
-from alignflow.flows.ranks import run_in_processes
+from alignflow.core.spec.kinds import settings_model
+from alignflow.core.spec.schema import parse_spec
+from alignflow.core.task.arithmetic import write_datasets
+from alignflow.flows.launch.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
 
 STAGES = {

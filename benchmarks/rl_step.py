@@ -24,10 +24,11 @@ from pathlib import Path
 import torch.nn.functional as F
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.settings import RLSettings
-from alignflow.core.spec import StageSpec
-from alignflow.flows.stages import StageContext, rl
-from alignflow.flows.stages.rl_rollout import Batch, to_batch
+from alignflow.core.spec.settings import RLSettings
+from alignflow.core.spec.schema import StageSpec
+from alignflow.flows.stages import StageContext
+from alignflow.flows.stages.rl import stage as rl
+from alignflow.flows.stages.rl.rollout import Batch, to_batch
 
 PARTS = ("generate", "score", "prepare", "train", "step")
 

@@ -1,6 +1,6 @@
 """Quality of Math-Shepherd step labels on the bundled task, against the exact labels it can give.
 
-The task's worked solution (alignflow.core.task.work) fixes which steps are right: step k of a
+The task's worked solution (alignflow.core.task.arithmetic.work) fixes which steps are right: step k of a
 sampled solution is correct exactly when steps 1..k equal the worked solution's. Prints one JSON
 object: agreement, the share of correct steps labelled correct (recall) and of wrong steps labelled
 correct (false positives), per difficulty level, for each `step_labels` output given.
@@ -13,8 +13,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from alignflow.core.data import split_steps
-from alignflow.core.task import parse, render, work
+from alignflow.core.train.datasets import split_steps
+from alignflow.core.task.arithmetic import parse, render, work
 
 
 def exact_labels(prompt: str, steps: list[str], separator: str) -> list[int]:

@@ -25,8 +25,8 @@ from pathlib import Path
 WORKER = r"""
 import json, statistics, sys, time
 import torch
-from alignflow.core.models import load_model, load_tokenizer
-from alignflow.core.settings import GenerationSettings
+from alignflow.core.train.models import load_model, load_tokenizer
+from alignflow.core.spec.settings import GenerationSettings
 from alignflow.plugins.hf import HFSampler
 
 torch.set_num_threads(int(sys.argv[2]))
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["1t", "2t", "2t_passive"], choices=list(VARIANTS),
                     help="the first is the baseline of the ratios")
     args = ap.parse_args()
-    from alignflow.core.models import build_tiny
+    from alignflow.core.train.models import build_tiny
 
     model = build_tiny(Path(tempfile.mkdtemp()) / "tiny")
     results = {"cpus": os.cpu_count(), "runs": []}

@@ -15,7 +15,7 @@ loss_type, importance_sampling_level, ...), a CPU `Accelerator`, and a stand-in 
 the log-probs to the scalar loss, aggregation included, is TRL's. It runs in train mode with one
 accumulation step, `num_items_in_batch` = the batch's tokens (token-mean losses). Our side: the plugin's
 `loss` on a `PolicyBatch` of the same tensors (the advantage broadcast over each response), reduced by
-`alignflow.core.aggregation.aggregate` with the plugin's `loss_agg_mode`, as the `rl` stage does for a step
+`alignflow.core.rl.aggregation.aggregate` with the plugin's `loss_agg_mode`, as the `rl` stage does for a step
 of one micro-batch. Reported per case: max |loss_trl - loss_ours| and max |dloss/dlogprobs| difference over
 seeds, per dtype, with the scale of each, how much the clip touched, and the same distances for a control
 (our algorithm with one setting changed on purpose), which shows the size of mismatch the check would see.
@@ -117,8 +117,8 @@ def trl_loss(trainer_cls, args, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def our_loss(algo, t: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """The plugin's per-token loss reduced as the `rl` stage reduces one micro-batch that is a whole step."""
-    from alignflow.core.aggregation import aggregate
-    from alignflow.core.rl import PolicyBatch, broadcast
+    from alignflow.core.rl.aggregation import aggregate
+    from alignflow.core.rl.algorithm import PolicyBatch, broadcast
 
     leaf = t["logprobs"].clone().requires_grad_(True)
     mask = t["mask"]

@@ -32,7 +32,7 @@ def prompts(tokenizer, k: int = 16) -> list[list[int]]:
 
 
 def generation(samplers: dict, ids, repeats: int) -> dict:
-    from alignflow.core.settings import GenerationSettings
+    from alignflow.core.spec.settings import GenerationSettings
 
     gen = GenerationSettings(max_new_tokens=48, temperature=1.0)
     rates = {name: [] for name in samplers}
@@ -49,9 +49,10 @@ def generation(samplers: dict, ids, repeats: int) -> dict:
 
 def rl_steps(model: Path, steps: int) -> dict:
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import RLSettings
-    from alignflow.core.spec import StageSpec
-    from alignflow.flows.stages import StageContext, rl
+    from alignflow.core.spec.settings import RLSettings
+    from alignflow.core.spec.schema import StageSpec
+    from alignflow.flows.stages import StageContext
+    from alignflow.flows.stages.rl import stage as rl
 
     built, times = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +93,7 @@ def main() -> None:
 
 
 def measure(args) -> dict:
-    from alignflow.core.models import build_tiny, load_model, load_tokenizer
+    from alignflow.core.train.models import build_tiny, load_model, load_tokenizer
     from alignflow.plugins.hf import HFSampler
     from alignflow.plugins.vllm_sampler import VLLMSampler
 

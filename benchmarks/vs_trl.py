@@ -44,9 +44,10 @@ PARTS = ("generate", "score", "train", "step")
 def alignflow_side(args) -> list[dict]:
     """Steps of the `rl` stage itself (build, then `rl_step`), as a pipeline runs them."""
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import RLSettings
-    from alignflow.core.spec import StageSpec
-    from alignflow.flows.stages import StageContext, rl
+    from alignflow.core.spec.settings import RLSettings
+    from alignflow.core.spec.schema import StageSpec
+    from alignflow.flows.stages import StageContext
+    from alignflow.flows.stages.rl import stage as rl
 
     work = Path(args.work)
     s = RLSettings(prompts_per_step=SHAPE["prompts"], group_size=SHAPE["group_size"],
@@ -77,7 +78,7 @@ def trl_side(args) -> list[dict]:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from alignflow.core.models import load_tokenizer
+    from alignflow.core.train.models import load_tokenizer
     from alignflow.plugins.math_accuracy import math_accuracy
 
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
@@ -145,14 +146,14 @@ def prepare_model(args, tmp: Path) -> Path:
     """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage."""
     if args.model:
         return Path(args.model)
-    from alignflow.core.models import build_tiny
+    from alignflow.core.train.models import build_tiny
 
     base = build_tiny(tmp / "base", seed=0, **SIZES[args.size])
     if not args.sft_steps:
         return base
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import TrainSettings
-    from alignflow.core.spec import StageSpec
+    from alignflow.core.spec.settings import TrainSettings
+    from alignflow.core.spec.schema import StageSpec
     from alignflow.flows.stages import StageContext
     from alignflow.flows.stages.sft import run_sft
 
@@ -167,8 +168,8 @@ def prepare_model(args, tmp: Path) -> Path:
 
 def stage_prompts(args, path: Path) -> None:
     """The rows the `rl` stage draws at steps 0..steps, in order: TRL's unshuffled dataset."""
-    from alignflow.core.data import load_rows
-    from alignflow.flows.stages.rl_rollout import round_prompts
+    from alignflow.core.train.datasets import load_rows
+    from alignflow.flows.stages.rl.rollout import round_prompts
 
     rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
     drawn = [rows[i] for step in range(args.warmup + args.steps)
@@ -254,7 +255,7 @@ def measure(args, tmp: Path) -> dict:
             runs[side].append(json.loads(result.read_text()))
             print(f"pair {pair} {side}: {[round(s['step'], 2) for s in runs[side][-1]['steps']]} s/step",
                   file=sys.stderr)
-    from alignflow.core.models import load_model
+    from alignflow.core.train.models import load_model
 
     ratios = [pair_ratio(a, b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
     return {"config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,

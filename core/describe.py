@@ -63,7 +63,7 @@ def line_comments(cls) -> dict[str, str]:
 def _type(annotation: Any) -> str:
     name = getattr(annotation, "__name__", None)
     text = name if name and not getattr(annotation, "__args__", None) else str(annotation)
-    text = re.sub(r"\balignflow(?:\.\w+)+\.(\w+)", r"\1", text)  # StageSpec, not alignflow.core.spec.StageSpec
+    text = re.sub(r"\balignflow(?:\.\w+)+\.(\w+)", r"\1", text)  # StageSpec, not alignflow.core.spec.schema.StageSpec
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
@@ -138,11 +138,11 @@ def _names(items) -> str:
 
 
 def settings_tables() -> str:
-    """Markdown tables of the stage settings models (`alignflow.core.settings`): field, type (with
+    """Markdown tables of the stage settings models (`alignflow.core.spec.settings`): field, type (with
     bounds), default (as JSON) and description (the Field's description, else the trailing comment of
     the field's own line). A subclass lists only the fields it adds or redefines."""
-    from alignflow.core import settings
-    from alignflow.core.kinds import SETTINGS
+    from alignflow.core.spec import settings
+    from alignflow.core.spec.kinds import SETTINGS
 
     models = [getattr(settings, name) for name in SETTINGS_MODELS]
     blocks = []

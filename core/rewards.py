@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from alignflow.core.errors import AlignflowError
-from alignflow.core.spec import validate_config
+from alignflow.core.spec.schema import validate_config
 
 log = logging.getLogger(__name__)
 _silent: set[str] = set()  # rewards already reported for a batch of only None

@@ -23,7 +23,7 @@ _EXPORTS = {
     "PipelineReport": "alignflow.flows.report",
     "StageContext": "alignflow.flows.stages",
     "StageResult": "alignflow.flows.stages",
-    "RUNNERS": "alignflow.flows.stages.registry",
+    "RUNNERS": "alignflow.flows.stages.runners",
 }
 __all__ = sorted(_EXPORTS)
 

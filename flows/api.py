@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from alignflow.core.spec import PipelineSpec
-from alignflow.flows import shutdown
-from alignflow.flows.nodes import hosting
+from alignflow.core.spec.schema import PipelineSpec
+from alignflow.flows.launch import shutdown
+from alignflow.flows.launch.nodes import hosting
 from alignflow.flows.options import RunOptions
 from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.report import PipelineReport
@@ -86,11 +86,11 @@ def run_checked(pipeline: Path, overrides: list[str], project: Path, artifacts, 
                 early=None) -> PipelineReport | dict[str, str]:
     """Check the spec before Prefect or a model starts (`early`: preflight's), then run it under the signal
     guard: node 0's report, or on another node, which follows node 0 and lends it its ranks
-    (flows/follow.py), {stage: how it went there}."""
+    (flows/launch/follow.py), {stage: how it went there}."""
     check_pipeline(pipeline, overrides, project, regenerate=True, early=early)
     with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
         if options.nodes.rank > 0:
-            from alignflow.flows.follow import follow_pipeline  # torch: not for the CLI's quick commands
+            from alignflow.flows.launch.follow import follow_pipeline  # torch: not for the CLI's quick commands
 
             return follow_pipeline(pipeline, overrides, project, artifacts, options)
         from alignflow.flows.pipeline import run_pipeline  # Prefect and torch: not for the quick commands

@@ -16,12 +16,12 @@ from rich.tree import Tree
 
 from alignflow.core.describe import default_text, describe, plugin_lines
 from alignflow.core.errors import AlignflowError, PluginError, SpecError
-from alignflow.core.memory import gib, parse_size, pipeline_memory
+from alignflow.core.train.memory import gib, parse_size, pipeline_memory
 from alignflow.core.plugins import get_plugins
 from alignflow.flows.api import run_checked
-from alignflow.flows.child import configure_logging
+from alignflow.flows.launch.child import configure_logging
 from alignflow.flows.data import DATA_DIR, regenerate_data
-from alignflow.flows.nodes import LAUNCHER_VARS, launched_by_deepspeed
+from alignflow.flows.launch.nodes import LAUNCHER_VARS, launched_by_deepspeed
 from alignflow.flows.options import RunOptions, stage_count
 from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.report import write_curves, write_metrics
@@ -79,7 +79,7 @@ def cmd_validate(args) -> int:
 
 
 def show_memory(spec, args) -> int:
-    """Each training stage's estimated memory per GPU (core/memory.py); 1 when one exceeds --gpu-memory."""
+    """Each training stage's estimated memory per GPU (core/train/memory.py); 1 when one exceeds --gpu-memory."""
     limit = parse_size(args.gpu_memory) if args.gpu_memory else None
     gpus = RunOptions.from_env(nproc=args.nproc).nproc
     estimates = pipeline_memory(spec, get_plugins(), Path.cwd(), gpus, args.nnodes)
@@ -118,7 +118,7 @@ def dag_tree(spec, source: str) -> Tree:
             parents[(of.loop, of.round)] = parent
         plugins = [p.name for p in [stage.algorithm, stage.sampler] if p is not None]
         plugins += [r.name for r in stage.rewards] + [s.name for s in stage.selectors]
-        pool = spec.pool_of(name)  # runs on a worker of that Prefect work pool (flows/remote.py)
+        pool = spec.pool_of(name)  # runs on a worker of that Prefect work pool (flows/launch/pools.py)
         node = parent.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}"
                           + (f" [magenta]on pool {pool}[/magenta]" if pool else ""))
         for field, value in stage.inputs.items():

@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 from alignflow.core.errors import AlignflowError
-from alignflow.core.spec import PipelineSpec
+from alignflow.core.spec.schema import PipelineSpec
 
 DATA_DIR = "data"
 
 
 def regenerate_data(project: Path, seed: int = 0) -> dict[str, Path]:
     """Write the bundled task's datasets into `data/`; byte-identical, so DVC sees no change."""
-    from alignflow.core.task import write_datasets
+    from alignflow.core.task.arithmetic import write_datasets
 
     return write_datasets(project / DATA_DIR, seed=seed)
 

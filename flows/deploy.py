@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from alignflow.flows.pipeline import load_pipeline, pipeline_flow
-from alignflow.flows.remote import deploy_stage_flow, ensure_process_pool
+from alignflow.flows.launch.pools import deploy_stage_flow, ensure_process_pool
 
 
 def stage_pools(spec) -> list[str]:
@@ -16,7 +16,7 @@ def stage_pools(spec) -> list[str]:
 
 def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None = None) -> tuple[str, list[str]]:
     """Deploy `pipeline_flow` for this spec on a cron schedule, and `stage_flow` on each pool its stages
-    name (flows/remote.py), so their workers can start before the first run; returns the deployment's
+    name (flows/launch/pools.py), so their workers can start before the first run; returns the deployment's
     name and those pools. Its runs take their options from the worker's environment (`pipeline_flow`)."""
     from prefect.deployments.runner import EntrypointType
 

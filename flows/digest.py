@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from alignflow.core.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
+from alignflow.core.spec.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
 
@@ -259,7 +259,7 @@ def data_version(project: Path) -> str | None:
 
 
 def stage_config(name: str, stage: StageSpec, plugins) -> dict:
-    """The stage's config: its checked plugin configs and settings (core/stage.py), defaults filled, as JSON."""
+    """The stage's config: its checked plugin configs and settings (core/spec/stage.py), defaults filled, as JSON."""
     where = f"stage {name!r}"
 
     def ref(r, registry, field):

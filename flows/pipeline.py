@@ -16,15 +16,15 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
-from alignflow.core.spec import PipelineSpec
-from alignflow.flows import shutdown
+from alignflow.core.spec.schema import PipelineSpec
+from alignflow.flows.launch import shutdown
 from alignflow.flows.digest import data_version
-from alignflow.flows.execute import STATE_NAMES, StageOutcome, execute_stage
+from alignflow.flows.launch.execute import STATE_NAMES, StageOutcome, execute_stage
 from alignflow.flows.options import RunOptions
 from alignflow.flows.plan import Session, StagePlan, open_session
 from alignflow.flows.preflight import run_spec
-from alignflow.flows.remote import run_on_pool
-from alignflow.flows.remote_store import is_url
+from alignflow.flows.launch.pools import run_on_pool
+from alignflow.flows.store.url import is_url
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import git_state
 
@@ -35,7 +35,7 @@ def stage_task(name: str, session: Session, upstream: dict[str, PrefectFuture]) 
     outcomes = {stage: future.result() for stage, future in upstream.items()}
     plan, pool = session.plans[name], session.spec.pool_of(name)
     if pool is not None and session.store.manifest(name, plan.digest) is None:
-        outcome = run_on_pool(pool, session, plan)  # a worker of `pool` runs it (flows/remote.py)
+        outcome = run_on_pool(pool, session, plan)  # a worker of `pool` runs it (flows/launch/pools.py)
     else:
         outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins, session.options)
     if outcome.status in STATE_NAMES:

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import yaml
 
-from alignflow.core.kinds import RANK_DEPENDENT_KINDS
+from alignflow.core.spec.kinds import RANK_DEPENDENT_KINDS
 from alignflow.core.plugins import get_plugins
-from alignflow.core.rounds import RoundOf, round_seed
-from alignflow.core.spec import PipelineSpec, StageSpec
+from alignflow.core.spec.rounds import RoundOf, round_seed
+from alignflow.core.spec.schema import PipelineSpec, StageSpec
 from alignflow.flows import digest as dg
-from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.options import RunOptions
 from alignflow.flows.preflight import run_spec
-from alignflow.flows.remote_store import open_store
+from alignflow.flows.store.url import open_store
 from alignflow.flows.tracking import Tracker
 
 
@@ -45,7 +45,7 @@ class StagePlan:
 
 def runner_version(kind: str) -> dict:
     """The runner's module and a hash of its code and the alignflow code it imports: an edit reruns the stage."""
-    from alignflow.flows.stages.registry import RUNNERS  # every runner's code and torch: only when planning
+    from alignflow.flows.stages.runners import RUNNERS  # every runner's code and torch: only when planning
 
     runner = RUNNERS[kind]
     return {"module": runner.__module__, "source": dg.code_hash(runner.__module__)}

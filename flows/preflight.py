@@ -15,12 +15,12 @@ from pathlib import Path
 
 import yaml
 
-from alignflow.core.constitution import constitution_problems
-from alignflow.core.data import check_row
+from alignflow.core.task.constitution import constitution_problems
+from alignflow.core.train.datasets import check_row
 from alignflow.core.errors import SpecError
-from alignflow.core.kinds import stage_kind
-from alignflow.core.spec import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
-from alignflow.core.stage import resolve_input
+from alignflow.core.spec.kinds import stage_kind
+from alignflow.core.spec.schema import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
+from alignflow.core.spec.stage import resolve_input
 from alignflow.flows.overrides import apply_overrides
 
 SHOWN_PER_FILE = 10  # bad lines listed per file; the rest are counted
@@ -41,7 +41,7 @@ def read_yaml(path: Path):
 
 
 def dataset_schema(stage: StageSpec, plugins) -> str | None:
-    """The row schema a stage's `dataset` input must hold (its kind's record, core/kinds.py); None: any JSON
+    """The row schema a stage's `dataset` input must hold (its kind's record, core/spec/kinds.py); None: any JSON
     objects. Some depend on the stage's algorithm (pairs or labelled rows): they need `plugins`."""
     return stage_kind(stage.kind).dataset_schema(stage, plugins)
 
@@ -76,7 +76,7 @@ def jsonl_problems(path: Path, schema: str | None) -> list[str]:
 
 def bundled(value: str, project: Path) -> bool:
     """A bundled dataset (`data/<name>.jsonl`) that is missing: `alignflow run` writes it at the start."""
-    from alignflow.core.task import SIZES
+    from alignflow.core.task.arithmetic import SIZES
     from alignflow.flows.data import DATA_DIR
 
     path = Path(value)
@@ -179,8 +179,8 @@ def run_spec(pipeline: Path, overrides: list[str], project: Path, take: bool = F
 def cost_reward_problems(spec: PipelineSpec, source: str, plugins, skip: set[str]) -> list[str]:
     """Each stage whose algorithm's `cost_reward` is not one of its rewards, or has a weight other than 0
     (the stage checks it again as it builds); stages in `skip` already have a problem reported."""
-    from alignflow.core.rl import cost_reward_problem
-    from alignflow.core.stage import build_plugin
+    from alignflow.core.rl.algorithm import cost_reward_problem
+    from alignflow.core.spec.stage import build_plugin
 
     problems = []
     for name, stage in spec.written().items():

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from alignflow.flows import shutdown
+from alignflow.flows.launch import shutdown
 
 PARENT_TAG = "mlflow.parentRunId"
 MAX_KEY_CHARS = 250  # MLflow's limit on metric, param and tag keys

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm, TokenLogps
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm, TokenLogps
 
 EPS = 1e-6  # as in the reference code (sail-sg/oat `BNFLoss`, contributed by the paper's first author)
 

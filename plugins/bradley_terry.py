@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import OfflineAlgorithm, RewardBatch, example_mean
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import OfflineAlgorithm, RewardBatch, example_mean
 
 
 class BradleyTerry(OfflineAlgorithm):

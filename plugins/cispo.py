@@ -7,9 +7,9 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch, with_kl_loss
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, masked_mean
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyBatch, with_kl_loss
+from alignflow.core.rl.parts import LOG_RATIO_CLAMP, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

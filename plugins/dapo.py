@@ -8,11 +8,11 @@ import torch
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
+from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout
-from alignflow.core.rl_capabilities import Regenerate
-from alignflow.core.rl_parts import group_ids, group_sum
+from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.rl.capabilities import Regenerate
+from alignflow.core.rl.parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

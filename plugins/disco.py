@@ -11,8 +11,8 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.contracts import PluginConfig
 from alignflow.core.errors import DataError
-from alignflow.core.rl import PolicyBatch, RLAlgorithm, Rollout
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, group_ids, group_sum, kl_estimate, masked_mean
+from alignflow.core.rl.algorithm import PolicyBatch, RLAlgorithm, Rollout
+from alignflow.core.rl.parts import LOG_RATIO_CLAMP, group_ids, group_sum, kl_estimate, masked_mean
 
 # Per-token terms whose length-normalised mean is the score s_i (official code: token means, not products).
 SCORES = {

@@ -9,9 +9,9 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast
-from alignflow.core.rl_parts import discounted_returns, group_normalize, kl_estimate, masked_mean
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.parts import discounted_returns, group_normalize, kl_estimate, masked_mean
 
 
 class DistillConfig(PolicyGradientConfig):

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm
 
 
 class DPO(PreferenceAlgorithm):

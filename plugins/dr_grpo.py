@@ -7,8 +7,8 @@ from typing import ClassVar
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

@@ -10,9 +10,9 @@ from pydantic import Field, field_validator
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import PolicyBatch, Rollout, broadcast
-from alignflow.core.rl_capabilities import GuidedSamples
-from alignflow.core.rl_parts import group_normalize, masked_mean
+from alignflow.core.rl.algorithm import PolicyBatch, Rollout, broadcast
+from alignflow.core.rl.capabilities import GuidedSamples
+from alignflow.core.rl.parts import group_normalize, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

@@ -9,10 +9,10 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
+from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl import PolicyBatch, broadcast, with_kl_loss
-from alignflow.core.rl_parts import LOG_RATIO_CLAMP, masked_mean
+from alignflow.core.rl.algorithm import PolicyBatch, broadcast, with_kl_loss
+from alignflow.core.rl.parts import LOG_RATIO_CLAMP, masked_mean
 from alignflow.plugins.grpo import GRPO
 
 

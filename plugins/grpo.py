@@ -7,9 +7,9 @@ from typing import ClassVar
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
-from alignflow.core.rl_parts import group_normalize
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.parts import group_normalize
 
 
 class GRPOConfig(PolicyGradientConfig):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import Rollout
-from alignflow.core.rl_parts import group_normalize
+from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.rl.parts import group_normalize
 from alignflow.plugins.grpo import GRPO
 
 

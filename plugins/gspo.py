@@ -10,9 +10,9 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch, with_kl_loss
-from alignflow.core.rl_parts import clipped_surrogate, masked_mean
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyBatch, with_kl_loss
+from alignflow.core.rl.parts import clipped_surrogate, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

@@ -15,7 +15,7 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
-from alignflow.core.settings import GenerationSettings
+from alignflow.core.spec.settings import GenerationSettings
 
 COMPACT_AT = 0.25  # drop stopped rows from the batch once they are this share of it
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm, example_mean, reward_metrics
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm, example_mean, reward_metrics
 
 BETA = 0.05  # the paper's train/tasks/run_ce.sh
 
@@ -93,7 +93,7 @@ def trained_with(path: str) -> tuple[str | None, float | None]:
 
 def load_causal_lm(src: str):
     """A frozen causal LM from a folder, a hub id, or `builtin:tiny` (rebuilt: same seed, same weights)."""
-    from alignflow.core.models import build_tiny, load_model
+    from alignflow.core.train.models import build_tiny, load_model
 
     if src == "builtin:tiny":
         with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +136,7 @@ class ImplicitProcessReward:
         device: str | None = Field(None, description="default: cuda when available, else cpu")
 
     def __init__(self, config: Config):
-        from alignflow.core.models import load_tokenizer
+        from alignflow.core.train.models import load_tokenizer
 
         self.config = config
         recorded, trained_beta = trained_with(config.path)
@@ -162,7 +162,7 @@ class ImplicitProcessReward:
 
     def scoring(self, prompt: str, completion: str) -> Scoring:
         """The ids of one completion, where its steps end, cut from the left to `max_length`."""
-        from alignflow.core.data import step_spans, token_ends
+        from alignflow.core.train.datasets import step_spans, token_ends
 
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
         spans = step_spans(completion, self.config.step_separator) or [(completion, len(completion))]
@@ -179,8 +179,8 @@ class ImplicitProcessReward:
     @torch.inference_mode()
     def log_ratios(self, chunk: list[Scoring]) -> torch.Tensor:
         """log pi(y_t | .) - log pi_ref(y_t | .) at each completion token of the chunk [B, T], 0 elsewhere."""
-        from alignflow.core.data import pad
-        from alignflow.core.models import token_logprobs
+        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.models import token_logprobs
 
         ids = pad([s.ids for s in chunk], self.tokenizer.pad_token_id).to(self.device)
         attention = pad([[1] * len(s.ids) for s in chunk], 0).to(self.device)

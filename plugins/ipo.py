@@ -3,7 +3,7 @@
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm, per_token
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm, per_token
 
 
 class IPO(PreferenceAlgorithm):

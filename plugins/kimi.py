@@ -8,8 +8,8 @@ from pydantic import Field
 
 from alignflow.core import hookimpl
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl import PolicyBatch, RLAlgorithm, Rollout, broadcast
-from alignflow.core.rl_parts import group_normalize
+from alignflow.core.rl.algorithm import PolicyBatch, RLAlgorithm, Rollout, broadcast
+from alignflow.core.rl.parts import group_normalize
 
 
 class KimiConfig(PluginConfig):

@@ -5,8 +5,8 @@ import torch.distributed as dist
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import Mean, OfflineAlgorithm, UnpairedBatch, example_mean
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import Mean, OfflineAlgorithm, UnpairedBatch, example_mean
 
 
 def reference_point(kl_logratios: torch.Tensor) -> torch.Tensor:

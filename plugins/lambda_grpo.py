@@ -9,10 +9,10 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch
-from alignflow.core.rl_capabilities import ExtraParameters
-from alignflow.core.rl_parts import group_ids, group_sum
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyBatch
+from alignflow.core.rl.capabilities import ExtraParameters
+from alignflow.core.rl.parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

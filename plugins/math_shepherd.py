@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import OfflineAlgorithm, StepBatch
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import OfflineAlgorithm, StepBatch
 
 
 class MathShepherd(OfflineAlgorithm):

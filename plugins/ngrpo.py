@@ -9,11 +9,11 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
+from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.errors import DataError
-from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
-from alignflow.core.rl_capabilities import Regenerate
-from alignflow.core.rl_parts import group_ids, group_sum
+from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.capabilities import Regenerate
+from alignflow.core.rl.parts import group_ids, group_sum
 
 
 class NGRPOConfig(PolicyGradientConfig):

@@ -8,9 +8,9 @@ import torch
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import Rollout, broadcast
-from alignflow.core.rl_capabilities import Replay
-from alignflow.core.rl_parts import group_ids, group_sum
+from alignflow.core.rl.algorithm import Rollout, broadcast
+from alignflow.core.rl.capabilities import Replay
+from alignflow.core.rl.parts import group_ids, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm, per_token
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm, per_token
 
 # p = 1 exactly (fp32 log-softmax can round every token's log-prob to 0) would make the odds infinite.
 MAX_MEAN_LOGP = -1e-10

@@ -8,8 +8,8 @@ import torch
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout
-from alignflow.core.rl_parts import gae, kl_estimate, last_token_rewards, masked_mean, masked_whiten
+from alignflow.core.rl.algorithm import PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout
+from alignflow.core.rl.parts import gae, kl_estimate, last_token_rewards, masked_mean, masked_whiten
 
 
 class PPOConfig(PolicyGradientConfig):

@@ -8,7 +8,7 @@ import torch
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.ppo import PPO, PPOConfig
 
 

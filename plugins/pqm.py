@@ -4,8 +4,8 @@ import torch
 from pydantic import Field
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import OfflineAlgorithm, StepBatch, example_mean
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import OfflineAlgorithm, StepBatch, example_mean
 
 
 class PQM(OfflineAlgorithm):

@@ -37,7 +37,7 @@ class ProcessReward:
     def __init__(self, config: Config):
         import torch
 
-        from alignflow.core.models import load_tokenizer, load_value_model
+        from alignflow.core.train.models import load_tokenizer, load_value_model
 
         self.config = config
         self.device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,8 +54,8 @@ class ProcessReward:
         """P(step correct) for each step of each completion, `batch_size` completions at a time."""
         import torch
 
-        from alignflow.core.data import pad, split_steps, step_pieces, step_sequence
-        from alignflow.core.models import token_values
+        from alignflow.core.train.datasets import pad, split_steps, step_pieces, step_sequence
+        from alignflow.core.train.models import token_values
 
         key = (prompts, completions)
         if key == self._last[0]:  # process-supervised RL asks for the rewards, then the steps, of one batch
@@ -79,7 +79,7 @@ class ProcessReward:
 
     def step_rewards(self, prompts: list[str], completions: list[str]) -> list[list[tuple[int, float]]]:
         """(where the step ends in the completion, in characters; P(step correct)) for each scored step."""
-        from alignflow.core.data import step_spans
+        from alignflow.core.train.datasets import step_spans
 
         out = []
         for c, scores in zip(completions, self.step_scores(prompts, completions)):

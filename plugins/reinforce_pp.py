@@ -7,8 +7,8 @@ from typing import ClassVar
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout
-from alignflow.core.rl_parts import discounted_returns, kl_estimate, last_token_rewards, masked_whiten
+from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout
+from alignflow.core.rl.parts import discounted_returns, kl_estimate, last_token_rewards, masked_whiten
 
 
 class ReinforcePPConfig(PolicyGradientConfig):

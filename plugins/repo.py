@@ -11,9 +11,9 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.rl import Rollout, broadcast
-from alignflow.core.rl_capabilities import CostConstrained, Stateful
-from alignflow.core.rl_parts import group_normalize
+from alignflow.core.rl.algorithm import Rollout, broadcast
+from alignflow.core.rl.capabilities import CostConstrained, Stateful
+from alignflow.core.rl.parts import group_normalize
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

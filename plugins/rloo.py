@@ -7,9 +7,9 @@ from typing import ClassVar
 from pydantic import Field
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
-from alignflow.core.rl_parts import kl_estimate, leave_one_out
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.parts import kl_estimate, leave_one_out
 
 
 class RLOOConfig(PolicyGradientConfig):

@@ -10,9 +10,9 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyBatch, Rollout
-from alignflow.core.rl_parts import masked_mean
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyBatch, Rollout
+from alignflow.core.rl.parts import masked_mean
 from alignflow.plugins.ppo import PPO, PPOConfig
 
 

@@ -5,8 +5,8 @@ from typing import Literal
 import torch
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.aggregation import StepNorm, aggregate
-from alignflow.core.preference import OfflineAlgorithm, TokenBatch
+from alignflow.core.rl.aggregation import StepNorm, aggregate
+from alignflow.core.train.offline import OfflineAlgorithm, TokenBatch
 
 
 class SFT(OfflineAlgorithm):

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout, broadcast
-from alignflow.core.rl_parts import group_ids, group_normalize, group_sum
+from alignflow.core.rl.algorithm import Rollout, broadcast
+from alignflow.core.rl.parts import group_ids, group_normalize, group_sum
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 

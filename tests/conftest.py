@@ -82,7 +82,7 @@ def tiny_model(tmp_path_factory):
 
     Tests and stages only read the folder (a stage writes under its own work folder); the session checks so.
     """
-    from alignflow.core.models import build_tiny
+    from alignflow.core.train.models import build_tiny
 
     built: dict[tuple, tuple[Path, dict]] = {}
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
+from alignflow.core.rl.aggregation import aggregate
 from alignflow.core.describe import settings_tables
 from alignflow.core.plugins import Plugins
 from alignflow.core.rewards import RewardSet, Scores
-from alignflow.core.rl import RLAlgorithm, Rollout
-from alignflow.core.spec import validate_config
+from alignflow.core.rl.algorithm import RLAlgorithm, Rollout
+from alignflow.core.spec.schema import validate_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "concepts" / "contracts.md"
 # What each ```python block of the doc registers, in order.
@@ -104,10 +104,10 @@ def test_selector_example(monkeypatch):
 
 
 def test_settings_tables_cover_every_stage_kind_and_field():
-    from alignflow.core import settings
+    from alignflow.core.spec.kinds import SETTINGS
 
     tables = settings_tables()
-    for kind, model in settings.SETTINGS.items():
+    for kind, model in SETTINGS.items():
         assert f"`{kind}`" in tables.split(f"**{model.__name__}**", 1)[1].split("\n", 1)[0], kind
     for name in ("lr", "prompts_per_step", "group_size", "tis_cap", "max_new_tokens", "target_modules"):
         assert f"| `{name}` |" in tables, name

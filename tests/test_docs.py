@@ -55,7 +55,7 @@ def test_pipeline_example_validates(page, block):
     """A whole pipeline shown in the docs parses, with its plugins and settings checked."""
     import yaml
 
-    from alignflow.core.spec import parse_spec
+    from alignflow.core.spec.schema import parse_spec
 
     spec = parse_spec(yaml.safe_load(block), f"{page}:yaml")
     assert spec.order()

@@ -76,7 +76,7 @@ def test_hinge_loss_matches_the_formula(site, monkeypatch):
     monkeypatch.syspath_prepend(str(site))
     from alignflow_plugin_example.hinge import Hinge
 
-    from alignflow.core.preference import PairBatch
+    from alignflow.core.train.offline import PairBatch
 
     algo = Hinge(Hinge.Config(beta=0.5, delta=1.0))
     batch = PairBatch(policy_chosen_logps=torch.tensor([-1.0, -4.0]), policy_rejected_logps=torch.tensor([-3.0, -2.0]),

@@ -25,7 +25,7 @@ def test_wheel_contains_the_three_packages_and_entry_points(tmp_path):
                     "-w", str(tmp_path), str(ROOT)], check=True)
     wheel = next(tmp_path.glob("alignflow-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ["alignflow/core/plugins.py", "alignflow/flows/cli.py", "alignflow/flows/stages/rl.py",
+    for module in ["alignflow/core/plugins.py", "alignflow/flows/cli.py", "alignflow/flows/stages/rl/stage.py",
                    "alignflow/plugins/__init__.py"]:
         assert module in names
     assert not any(n.startswith(("core/", "flows/", "plugins/", "tests/")) for n in names)
@@ -36,7 +36,7 @@ def test_wheel_contains_the_three_packages_and_entry_points(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
                     str(wheel)], check=True)
-    probe = ("import json, alignflow.core, alignflow.flows, alignflow.plugins, alignflow.flows.stages.rl;"
+    probe = ("import json, alignflow.core, alignflow.flows, alignflow.plugins, alignflow.flows.stages.rl.stage;"
              "from alignflow.core.plugins import get_plugins;"
              "print(json.dumps([alignflow.core.__file__, len(get_plugins().entries())]))")
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -74,8 +74,8 @@ FIELD_NOTES = {
 def pipeline_page() -> str:
     """The fields of a pipeline YAML, from the pydantic models that parse it."""
     from alignflow.core.describe import model_table
-    from alignflow.core.rounds import LoopSpec
-    from alignflow.core.spec import PipelineSpec, PluginRef, RewardRef, StageSpec
+    from alignflow.core.spec.rounds import LoopSpec
+    from alignflow.core.spec.schema import PipelineSpec, PluginRef, RewardRef, StageSpec
 
     out = ["# Pipeline YAML", "", "Generated from the pydantic models that parse a pipeline file. Unknown fields "
            "are errors. A stage's `settings` are validated by its kind's model ([settings](settings.md)); a "
@@ -94,26 +94,10 @@ def pipeline_page() -> str:
 
 
 def kinds_table() -> str:
-    """The stage-kind table from the one record per kind, or (before that record exists) from today's tables."""
-    try:
-        from alignflow.core.kinds import kinds_markdown
-    except ImportError:
-        kinds_markdown = None
-    if kinds_markdown is not None:
-        return kinds_markdown()
-    from alignflow.core.settings import SETTINGS
-    from alignflow.core.spec import KIND_RULES
+    """The stage-kind table, from the one record per kind."""
+    from alignflow.core.spec.kinds import kinds_markdown
 
-    def names(items):
-        return ", ".join(f"`{x}`" for x in sorted(items)) or "none"
-
-    rows = ["| kind | inputs (required in bold) | plugins | settings | needs rewards |", "|---|---|---|---|---|"]
-    for kind, rule in KIND_RULES.items():
-        inputs = ", ".join(f"**`{x}`**" if x in rule["required"] else f"`{x}`" for x in sorted(rule["inputs"]))
-        settings = f"[`{SETTINGS[kind].__name__}`](settings.md)"
-        rows.append(f"| `{kind}` | {inputs} | {names(rule['plugins'])} | {settings} | "
-                    f"{'yes' if rule.get('needs_rewards') else 'no'} |")
-    return "\n".join(rows)
+    return kinds_markdown()
 
 
 def kinds_page() -> str:
@@ -124,7 +108,7 @@ def kinds_page() -> str:
 def settings_page() -> str:
     from alignflow.core.describe import settings_tables
 
-    return "\n".join(["# Stage settings", "", "Generated from `core/settings.py` at build time: each stage kind's "
+    return "\n".join(["# Stage settings", "", "Generated from `core/spec/settings.py` at build time: each stage kind's "
                       "`settings:` model, then the nested blocks. Unknown fields are errors.", "",
                       settings_tables(), ""])
 

@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from alignflow.core.contracts import PluginConfig
 from alignflow.core.errors import SpecError
-from alignflow.core.kinds import OUTPUT_OF_INPUT, OUTPUTS  # noqa: F401  OUTPUT_OF_INPUT: read by flows/execute.py
-from alignflow.core.spec import StageSpec
+from alignflow.core.spec.kinds import OUTPUT_OF_INPUT, OUTPUTS  # noqa: F401  OUTPUT_OF_INPUT: read by flows/launch/execute.py
+from alignflow.core.spec.schema import StageSpec
 
 MetricsLogger = Callable[[dict[str, float], int], None]
 

@@ -19,12 +19,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from alignflow.core import seeds
-from alignflow.core.constitution import draw_principles, read_principles
-from alignflow.core.data import load_rows
+from alignflow.core.task.constitution import draw_principles, read_principles
+from alignflow.core.train.datasets import load_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.sampling import Generation
-from alignflow.core.settings import critique_rows
-from alignflow.core.spec import DEFAULT_SAMPLER, PluginRef
+from alignflow.core.spec.settings import critique_rows
+from alignflow.core.spec.schema import DEFAULT_SAMPLER, PluginRef
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import columns_for, generate, judge, loaded_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from alignflow.core.data import load_rows
+from alignflow.core.train.datasets import load_rows
 from alignflow.core.errors import SpecError
-from alignflow.core.ranks import rank_and_world
+from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from alignflow.core.data import load_rows
+from alignflow.core.train.datasets import load_rows
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score, reward_set
 from alignflow.flows.stages.training import plugin

@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from alignflow.core.data import IGNORE_INDEX, collate, truncate
-from alignflow.core.engine import Engine, frozen
-from alignflow.core.adapters import AdaptersOff
-from alignflow.core.models import token_logprobs
-from alignflow.core.preference import NllScope, SequenceLogps, TokenLogps, build_batch, mismatched_pairs
+from alignflow.core.train.datasets import IGNORE_INDEX, collate, truncate
+from alignflow.core.train.engine import Engine, frozen
+from alignflow.core.train.adapters import AdaptersOff
+from alignflow.core.train.models import token_logprobs
+from alignflow.core.train.offline import NllScope, SequenceLogps, TokenLogps, build_batch, mismatched_pairs
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
-from alignflow.flows.stages.offline import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
+from alignflow.flows.stages.offline_loop import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
                                             split_rows, train_loop)
 from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
                                              model_source, plugin, save_pretrained, total_steps)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.data import IGNORE_INDEX, collate, load_rows
-from alignflow.core.engine import Engine
-from alignflow.core.preference import StepBatch
+from alignflow.core.train.datasets import IGNORE_INDEX, collate, load_rows
+from alignflow.core.train.engine import Engine
+from alignflow.core.train.offline import StepBatch
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
+from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
 from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
                                              save_pretrained, total_steps)
 

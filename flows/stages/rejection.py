@@ -13,9 +13,9 @@ model, prompts and seed write the same rows.
 
 from __future__ import annotations
 
-from alignflow.core.data import load_rows
-from alignflow.core.ranks import rank_and_world
-from alignflow.core.settings import sampled_rows
+from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.dist import rank_and_world
+from alignflow.core.spec.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
 from alignflow.flows.stages.select import write_jsonl

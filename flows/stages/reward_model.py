@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.data import collate, load_rows
-from alignflow.core.engine import Engine
-from alignflow.core.preference import RewardBatch
+from alignflow.core.train.datasets import collate, load_rows
+from alignflow.core.train.engine import Engine
+from alignflow.core.train.offline import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
+from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
 from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
                                              save_pretrained, total_steps)
 

@@ -16,7 +16,7 @@ from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.progress import progress
-from alignflow.core.ranks import gathered, rank_and_world
+from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.rewards import RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
@@ -99,7 +99,7 @@ def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
 def join_ranks() -> tuple[int, int]:
     """(rank, world) of the launcher's process group, joined on first use; (0, 1) without a launcher."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from alignflow.core.engine import init_distributed  # DeepSpeed: only when there are ranks
+        from alignflow.core.train.engine import init_distributed  # DeepSpeed: only when there are ranks
 
         init_distributed()
     return rank_and_world()

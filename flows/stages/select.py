@@ -19,9 +19,9 @@ import random
 from pathlib import Path
 
 from alignflow.core import seeds
-from alignflow.core.data import iter_jsonl
+from alignflow.core.train.datasets import iter_jsonl
 from alignflow.core.errors import DataError, SpecError
-from alignflow.core.stage import build_plugin
+from alignflow.core.spec.stage import build_plugin
 from alignflow.flows.stages import StageContext, StageResult
 
 

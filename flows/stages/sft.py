@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.data import collate
-from alignflow.core.engine import Engine
-from alignflow.core.models import token_logprobs
-from alignflow.core.preference import TokenBatch
+from alignflow.core.train.datasets import collate
+from alignflow.core.train.engine import Engine
+from alignflow.core.train.models import token_logprobs
+from alignflow.core.train.offline import TokenBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
-from alignflow.flows.stages.offline import Feed, final_metrics, held_out_metrics, split_rows, train_loop
+from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
 from alignflow.flows.stages.training import (load_policy, load_tokenizer_for, model_source, plugin,
                                              save_pretrained, total_steps)
 

@@ -12,9 +12,9 @@ import torch
 
 from alignflow.core import seeds
 from alignflow.core.errors import SpecError
-from alignflow.core.adapters import has_adapters, with_lora
-from alignflow.core.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
-from alignflow.core.stage import PluginRef, build_plugin
+from alignflow.core.train.adapters import has_adapters, with_lora
+from alignflow.core.train.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
+from alignflow.core.spec.stage import PluginRef, build_plugin
 from alignflow.flows.stages import StageContext
 
 BUILTIN = "builtin:"

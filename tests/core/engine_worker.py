@@ -26,9 +26,9 @@ if __name__ == "__main__":
 import numpy as np
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.engine import Engine
-from alignflow.core.settings import TrainSettings
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.train.engine import Engine
+from alignflow.core.spec.settings import TrainSettings
 
 T = 12  # tokens per sequence, so T - 1 log-probs
 # where the engine puts the model: the tests' data goes there too (a GPU when there is one)

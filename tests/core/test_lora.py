@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from alignflow.core.errors import AlignflowError
-from alignflow.core.adapters import AdaptersOff, has_adapters, is_adapter_dir, merged_state_dict, with_lora
-from alignflow.core.models import load_model, token_logprobs
-from alignflow.core.settings import LoraSettings, PolicySettings, TrainSettings
+from alignflow.core.train.adapters import AdaptersOff, has_adapters, is_adapter_dir, merged_state_dict, with_lora
+from alignflow.core.train.models import load_model, token_logprobs
+from alignflow.core.spec.settings import LoraSettings, PolicySettings, TrainSettings
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +144,8 @@ def test_the_adapters_init_follows_the_seed_alone(base_dir):
 def test_the_hf_sampler_generates_with_the_adapters(base_dir):
     """The rl stage's `hf` sampler holds the peft policy itself: its sampled tokens' log-probs are the adapted
     model's (teacher-forced), not the base's."""
-    from alignflow.core.models import load_tokenizer
-    from alignflow.core.settings import GenerationSettings
+    from alignflow.core.train.models import load_tokenizer
+    from alignflow.core.spec.settings import GenerationSettings
     from alignflow.plugins.hf import HFSampler
 
     model, tok = perturb(adapted(base_dir)).eval(), load_tokenizer(base_dir)

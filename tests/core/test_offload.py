@@ -7,11 +7,11 @@ import torch
 import yaml
 
 import engine_worker as worker
-from alignflow.core.aggregation import aggregate
-from alignflow.core.engine import Engine, ds_config, frozen
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.train.engine import Engine, ds_config, frozen
 from alignflow.core.errors import SpecError
-from alignflow.core.settings import TrainSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import TrainSettings
+from alignflow.core.spec.schema import parse_spec
 
 
 def zero_section(**settings) -> dict:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignflow.core.adapters import base_state_dict, is_adapter_dir, merged_state_dict, save_adapters, with_lora
-from alignflow.core.models import load_model, token_logprobs
-from alignflow.core.settings import LoraSettings
+from alignflow.core.train.adapters import base_state_dict, is_adapter_dir, merged_state_dict, save_adapters, with_lora
+from alignflow.core.train.models import load_model, token_logprobs
+from alignflow.core.spec.settings import LoraSettings
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import time
 
-from alignflow.flows.artifacts import ArtifactStore
+from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.options import RunOptions
-from alignflow.flows.remote_store import RemoteArtifactStore
+from alignflow.flows.store.url import RemoteArtifactStore
 
 
 def finish_stage(store: ArtifactStore, stage: str, digest: str, text: str) -> dict:

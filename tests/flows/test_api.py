@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from alignflow.core.errors import SpecError
-from alignflow.core.task import write_datasets
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows import RunOptions, RunResult, run, validate
 
 # a short sft stage and an evaluation of its model on a few test prompts

@@ -1,4 +1,4 @@
-"""The artifact store at a URL (flows/remote_store.py, flows/lease.py) on fsspec's `memory://` and on a
+"""The artifact store at a URL (flows/store/url.py, flows/store/lease.py) on fsspec's `memory://` and on a
 `file://` URL: publish with the manifest last, cached reuse from another machine's cache, one download of
 an input, an interrupted publish, two processes racing for a stage, and a dead owner's expired lease.
 Checkpoints on the store: tests/flows/test_checkpoint_store.py."""
@@ -17,12 +17,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractFileSystem
 
 from alignflow.core.errors import SpecError
-from alignflow.flows import remote_store
-from alignflow.flows.artifacts import ArtifactStore
-from alignflow.flows.lease import LeaseLock, LockLost, release_held
+from alignflow.flows.store import url as remote_store
+from alignflow.flows.store.artifacts import ArtifactStore
+from alignflow.flows.store.lease import LeaseLock, LockLost, release_held
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.options import CACHE_ENV, LOCK_ENV, RunOptions
-from alignflow.flows.remote_store import RemoteArtifactStore, open_store
+from alignflow.flows.store.url import RemoteArtifactStore, open_store
 from reports import statuses
 from store_race import finish_stage, hold_and_die, race
 

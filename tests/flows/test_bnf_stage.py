@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import alignflow.plugins.bnf
-from alignflow.core.data import collate, load_rows, tokenize
-from alignflow.core.models import load_model, load_tokenizer
+from alignflow.core.train.datasets import collate, load_rows, tokenize
+from alignflow.core.train.models import load_model, load_tokenizer
 from alignflow.core.plugins import Plugins
-from alignflow.core.preference import SequenceLogps, build_batch
-from alignflow.core.settings import TrainSettings
-from alignflow.core.spec import parse_spec
-from alignflow.core.task import write_datasets
+from alignflow.core.train.offline import SequenceLogps, build_batch
+from alignflow.core.spec.settings import TrainSettings
+from alignflow.core.spec.schema import parse_spec
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.preference import (REFERENCE_CACHE, TOKENS, CachedReference, SequenceScorer,
                                                reference_logps, run_preference)

@@ -1,4 +1,4 @@
-"""Checkpoints mirrored to an artifact store at a URL (core/checkpoint_store.py): uploaded marker last and
+"""Checkpoints mirrored to an artifact store at a URL (core/train/checkpoint_store.py): uploaded marker last and
 rotated as on the machine, the newest fetched by another machine, and a stage killed on one machine resumed
 on another to the weights of an uninterrupted run."""
 
@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.core import checkpoint, checkpoint_store
+from alignflow.core.train import checkpoint
+
+from alignflow.core.train import checkpoint_store
 from alignflow.flows.options import CACHE_ENV, RunOptions
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.remote_store import open_store
+from alignflow.flows.store.url import open_store
 from reports import statuses
 from store_race import finish_stage
 
@@ -121,7 +123,7 @@ def test_a_stage_killed_on_one_machine_resumes_on_another_from_the_stores_checkp
     from prefect.settings import PREFECT_API_URL
     from safetensors.torch import load_file
 
-    from alignflow.core.task import write_datasets
+    from alignflow.core.task.arithmetic import write_datasets
 
     project = tmp_path / "project"
     write_datasets(project / "data")

@@ -180,7 +180,7 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "pipelines").glob("*.yam
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_pipeline_validates_with_its_settings_and_plugin_configs(path):
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.spec import load_spec
+    from alignflow.core.spec.schema import load_spec
     from alignflow.flows.digest import stage_config
 
     spec = load_spec(path)

@@ -11,8 +11,8 @@ import alignflow.plugins.dpo
 import alignflow.plugins.hf
 from alignflow.core.errors import DataError, SpecError
 from alignflow.core.plugins import Plugins
-from alignflow.core.settings import CritiqueSettings, TrainSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import CritiqueSettings, TrainSettings
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.critique import Revised, build_rows, run_critique_revise

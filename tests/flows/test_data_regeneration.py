@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.data import needs_data, regenerate_data
 from alignflow.flows.digest import data_version
 

@@ -4,7 +4,7 @@ import sys
 import time
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.overrides import apply_overrides
 from alignflow.flows.plan import plan_pipeline
 
@@ -200,9 +200,9 @@ def test_a_runner_digest_reaches_its_helpers_and_not_the_other_runners():
     from alignflow.flows.digest import _closure
 
     reached = _closure("alignflow.flows.stages.sft", lambda dep: dep.startswith("alignflow."))
-    assert {"alignflow.flows.stages.training", "alignflow.core.models"} <= reached
-    assert not reached & {"alignflow.flows.stages.rl", "alignflow.flows.stages.critique",
-                          "alignflow.flows.stages.registry"}
+    assert {"alignflow.flows.stages.training", "alignflow.core.train.models"} <= reached
+    assert not reached & {"alignflow.flows.stages.rl.stage", "alignflow.flows.stages.critique",
+                          "alignflow.flows.stages.runners"}
 
 
 def test_a_docstring_comment_or_layout_change_keeps_the_source_hash_and_code_changes_it(tmp_path):

@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import FlowRunFilter
 from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 
-from alignflow.core.task import write_datasets
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.report import PipelineReport, StageReport
 from alignflow.flows.tracking import Tracker

@@ -8,8 +8,8 @@ import pytest
 import alignflow.plugins.hf
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.plugins import Plugins
-from alignflow.core.settings import EvaluateSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import EvaluateSettings
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.stages.evaluate import run_evaluate
 from helpers.stages import stage_context
 

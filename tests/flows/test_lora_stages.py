@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 import alignflow.flows.stages.preference as preference
-import alignflow.flows.stages.rl as rl
+import alignflow.flows.stages.rl.stage as rl
 from alignflow.core import hookimpl
-from alignflow.core.adapters import AdaptersOff
-from alignflow.core.models import load_model, load_tokenizer
-from alignflow.core.settings import PolicySettings, RLSettings
-from alignflow.core.spec import StageSpec
-from alignflow.core.task import write_datasets
+from alignflow.core.train.adapters import AdaptersOff
+from alignflow.core.train.models import load_model, load_tokenizer
+from alignflow.core.spec.settings import PolicySettings, RLSettings
+from alignflow.core.spec.schema import StageSpec
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.offline import split_rows
+from alignflow.flows.stages.offline_loop import split_rows
 from alignflow.flows.stages.sft import run_sft
 from helpers.plugins import registered
 from helpers.stages import no_metrics, stage_context

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from alignflow.core.errors import SpecError
-from alignflow.core.task import write_datasets
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows import cli
 from alignflow.flows.options import LEASE_ENV, LOCK_ENV, NPROC_ENV, Nodes, RunOptions
 

@@ -9,8 +9,8 @@ from prefect import get_client
 from prefect.deployments import run_deployment
 from prefect.states import Completed
 
-from alignflow.flows import shutdown
-from alignflow.flows.remote import deploy_stage_flow
+from alignflow.flows.launch import shutdown
+from alignflow.flows.launch.pools import deploy_stage_flow
 
 pytestmark = pytest.mark.system
 

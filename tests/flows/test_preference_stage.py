@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 import alignflow.plugins.dpo
 import alignflow.plugins.kto
 import alignflow.plugins.orpo
-from alignflow.core.data import collate, load_rows, tokenize
-from alignflow.core.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.train.datasets import collate, load_rows, tokenize
+from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import Plugins
-from alignflow.core.settings import TrainSettings
-from alignflow.core.spec import parse_spec
-from alignflow.core.task import write_datasets
+from alignflow.core.spec.settings import TrainSettings
+from alignflow.core.spec.schema import parse_spec
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.preference import REFERENCE_CACHE, SequenceScorer, run_preference
 from recording import ReferenceForwards

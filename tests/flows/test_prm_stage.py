@@ -12,15 +12,15 @@ from safetensors.torch import load_file
 import alignflow.plugins.math_shepherd
 import alignflow.plugins.pqm
 from alignflow.core import Sampler, hookimpl
-from alignflow.core.data import IGNORE_INDEX
-from alignflow.core.models import load_value_model, token_values
+from alignflow.core.train.datasets import IGNORE_INDEX
+from alignflow.core.train.models import load_value_model, token_values
 from alignflow.core.plugins import Plugins
 from alignflow.core.rewards import RewardOutput
 from alignflow.core.sampling import Generation
-from alignflow.core.settings import PRMSettings, StepLabelSettings
-from alignflow.core.spec import parse_spec
-from alignflow.core.tokenizer import build_char_tokenizer
-from alignflow.flows.ranks import run_in_processes
+from alignflow.core.spec.settings import PRMSettings, StepLabelSettings
+from alignflow.core.spec.schema import parse_spec
+from alignflow.core.task.tokenizer import build_char_tokenizer
+from alignflow.flows.launch.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import best_of_n
 from alignflow.flows.stages.prm import run_prm, step_major

@@ -9,8 +9,8 @@ from alignflow.core import hookimpl
 from alignflow.core.plugins import Plugins
 from alignflow.core.rewards import RewardOutput
 from alignflow.core.sampling import Generation
-from alignflow.core.settings import SampleSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import SampleSettings
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.stages.rejection import run_rejection_sampling, select_rows
 from alignflow.flows.stages.scoring import Scored
 from helpers.stages import stage_context
@@ -134,7 +134,7 @@ def test_stage_writes_rows_that_match_its_samples_and_metrics(tmp_path, output, 
 def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch, tiny_model):
     """130 prompts are three seeded chunks of 64: rank 0 samples and scores chunks 0 and 2, rank 1 chunk 1,
     and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
-    from alignflow.flows.ranks import run_in_processes
+    from alignflow.flows.launch.ranks import run_in_processes
 
     context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
     results, calls = {}, {}

@@ -15,7 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
-from alignflow.core.task import write_datasets
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
 from alignflow.flows.pipeline import load_pipeline, run_pipeline

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 import alignflow.plugins.bradley_terry
 from alignflow.core.plugins import Plugins
-from alignflow.core.settings import TrainSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import TrainSettings
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.stages.reward_model import run_reward_model
 from helpers.stages import stage_context
 from alignflow.plugins.reward_model import RewardModel

@@ -12,7 +12,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.spec import load_spec
+from alignflow.core.spec.schema import load_spec
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.plan import plan_pipeline
 from alignflow.flows.reproduce import reproduce

@@ -9,8 +9,8 @@ import alignflow.plugins.quality
 import alignflow.plugins.subsample
 from alignflow.core import DataError, SpecError, hookimpl
 from alignflow.core.plugins import Plugins
-from alignflow.core.settings import SelectSettings
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.settings import SelectSettings
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.stages.select import run_select
 from helpers.stages import stage_context
 

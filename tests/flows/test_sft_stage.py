@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alignflow.core.settings import TrainSettings
-from alignflow.core.spec import parse_spec
-from alignflow.core.task import write_datasets
+from alignflow.core.spec.settings import TrainSettings
+from alignflow.core.spec.schema import parse_spec
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.stages.sft import run_sft
 from helpers.stages import stage_context
 

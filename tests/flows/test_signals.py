@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.shutdown import descendants, process_start
+from alignflow.flows.launch.shutdown import descendants, process_start
 
 pytestmark = pytest.mark.system
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from alignflow.flows import shutdown
+from alignflow.flows.launch import shutdown
 from alignflow.flows.tracking import SignalSafeClient, Tracker
 
 pytestmark = pytest.mark.system

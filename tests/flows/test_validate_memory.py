@@ -13,7 +13,7 @@ from alignflow.flows.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 # Qwen2.5-0.5B-Instruct's architecture: 494,032,768 parameters, the largest module the 151936 x 896 embedding
-# (tests/core/test_memory.py counts them by hand)
+# (tests/core/train/test_memory.py counts them by hand)
 QWEN05 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
           "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
           "tie_word_embeddings": True, "max_position_embeddings": 32768}

@@ -10,10 +10,10 @@ import torch
 pytestmark = [pytest.mark.vllm, pytest.mark.system]  # vLLM starts its engine core in a process of its own
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
-from alignflow.flows.stages.rl import run_rl  # noqa: E402
+from alignflow.flows.stages.rl.stage import run_rl  # noqa: E402
 from alignflow.plugins.vllm_sampler import VLLMSampler  # noqa: E402
 
-from tests.flows.test_rl_stage import make_ctx, plugins, tiny, write_rows  # noqa: E402, F401
+from tests.flows.stages.rl.test_rl_stage import make_ctx, plugins, tiny, write_rows  # noqa: E402, F401
 from tests.flows.test_vllm_stages import CALLS, samplers  # noqa: E402, F401
 
 

@@ -17,19 +17,19 @@ pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these te
 import alignflow.plugins.hf  # noqa: E402
 import alignflow.plugins.vllm_sampler  # noqa: E402
 from alignflow.core import hookimpl  # noqa: E402
-from alignflow.core.models import build_tiny  # noqa: E402
+from alignflow.core.train.models import build_tiny  # noqa: E402
 from alignflow.core.plugins import Plugins  # noqa: E402
-from alignflow.core.settings import EvaluateSettings, SampleSettings  # noqa: E402
-from alignflow.core.spec import StageSpec, parse_spec  # noqa: E402
-from alignflow.flows.ranks import run_in_processes  # noqa: E402
+from alignflow.core.spec.settings import EvaluateSettings, SampleSettings  # noqa: E402
+from alignflow.core.spec.schema import StageSpec, parse_spec  # noqa: E402
+from alignflow.flows.launch.ranks import run_in_processes  # noqa: E402
 from alignflow.flows.stages import StageContext  # noqa: E402
 from alignflow.flows.stages.evaluate import run_evaluate  # noqa: E402
-from alignflow.flows.stages.rl import run_rl  # noqa: E402
+from alignflow.flows.stages.rl.stage import run_rl  # noqa: E402
 from alignflow.plugins.hf import HFSampler  # noqa: E402
 from alignflow.plugins.vllm_sampler import VLLMSampler  # noqa: E402
 
 from tests.flows.test_rejection_stage import Rewards  # noqa: E402
-from tests.flows.test_rl_stage import make_ctx, plugins, tiny, weights, write_rows  # noqa: E402, F401
+from tests.flows.stages.rl.test_rl_stage import make_ctx, plugins, tiny, weights, write_rows  # noqa: E402, F401
 
 CALLS: dict[str, list] = {}
 

@@ -28,9 +28,9 @@ from prefect.client.schemas.filters import DeploymentFilter
 from prefect.settings import PREFECT_API_URL
 from safetensors.torch import load_file
 
-from alignflow.core.task import write_datasets
+from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.pipeline import run_pipeline
-from alignflow.flows.shutdown import CANCEL_WAIT_S, descendants, process_start, stop_processes
+from alignflow.flows.launch.shutdown import CANCEL_WAIT_S, descendants, process_start, stop_processes
 from alignflow.flows.tracking import tracking_uri
 from reports import statuses
 
@@ -269,7 +269,7 @@ def test_a_pool_without_a_worker_fails_its_stage_after_the_timeout(project, tmp_
 def test_a_worker_that_heartbeats_is_never_judged_gone_and_a_silent_one_is_after_three_beats():
     from types import SimpleNamespace
 
-    from alignflow.flows.remote import WorkerWatch
+    from alignflow.flows.launch.pools import WorkerWatch
 
     pool = {"w1": SimpleNamespace(name="w1", last_heartbeat_time=0, heartbeat_interval_seconds=10)}
     client = SimpleNamespace(read_workers_for_work_pool=lambda name: list(pool.values()))
@@ -296,7 +296,7 @@ def test_a_worker_that_heartbeats_is_never_judged_gone_and_a_silent_one_is_after
 
 def test_a_stage_pool_overrides_the_pipeline_map_and_names_are_checked(monkeypatch):
     from alignflow.core.errors import SpecError
-    from alignflow.core.spec import parse_spec
+    from alignflow.core.spec.schema import parse_spec
     from alignflow.flows.options import RunOptions
 
     rows = {"kind": "select", "inputs": {"dataset": "in.jsonl"}, "selectors": ["dedup"]}
@@ -325,5 +325,5 @@ def test_deploy_creates_the_stage_deployment_on_each_pool_the_spec_names(tmp_pat
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("alignflow-stage/cpu")
         assert client.read_work_pool("cpu").type == "process"
-    assert deployment.entrypoint == "alignflow.flows.remote.stage_flow"  # the installed package: no code storage
+    assert deployment.entrypoint == "alignflow.flows.launch.pools.stage_flow"  # the installed package: no code storage
     assert deployment.work_pool_name == "cpu" and not deployment.schedules  # started by the pipeline's runs

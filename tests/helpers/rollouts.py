@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 
 
 def lengths_mask(lengths: Sequence[int], width: int | None = None) -> torch.Tensor:

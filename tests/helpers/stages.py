@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from alignflow.core.plugins import get_plugins
-from alignflow.core.spec import parse_spec
+from alignflow.core.spec.schema import parse_spec
 from alignflow.flows.stages import StageContext
 
 

@@ -4,7 +4,7 @@ TIERS = ("unit", "stage", "system")
 SYSTEM_FIXTURES = {"prefect_server"}  # fixtures that start servers or processes
 STAGE_FIXTURES = {"tiny_model"}  # fixtures that build or load the tiny model
 # a test module that imports from these runs stages, trains or loads models: its tests are `stage` at least
-STAGE_MODULES = ("alignflow.flows.stages", "alignflow.core.engine", "alignflow.core.models", "alignflow.core.adapters")
+STAGE_MODULES = ("alignflow.flows.stages", "alignflow.core.train.engine", "alignflow.core.train.models", "alignflow.core.train.adapters")
 
 
 def tiers_of(item) -> set[str]:

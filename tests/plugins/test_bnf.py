@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.preference import PairBatch, TokenLogps
+from alignflow.core.train.offline import PairBatch, TokenLogps
 from alignflow.plugins.bnf import BNF
 
 H = [0.5, 0.25, 0.25]  # a next-token distribution over a vocabulary of 3

@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import PolicyBatch
-from alignflow.core.rl_parts import clipped_surrogate
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import PolicyBatch
+from alignflow.core.rl.parts import clipped_surrogate
 from alignflow.plugins.cispo import CISPO, CISPOConfig
 from alignflow.plugins.dapo import DAPO
 from helpers.rollouts import make_rollout

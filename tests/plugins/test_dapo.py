@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
+from alignflow.core.rl.aggregation import aggregate
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.dapo import DAPO
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm, aggregate
+from alignflow.core.rl.aggregation import StepNorm, aggregate
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.disco import DisCO, DisCOConfig
 
 # Group 0 is mixed (correct 1, 0, 0, 1); group 1 is all correct: no term, but it counts in n_Q.

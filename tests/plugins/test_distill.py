@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.distill import Distill, DistillConfig
 
 # 2 responses x 3 tokens; the second response has 2 tokens (its third position is padding).

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm, aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import StepNorm, aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.dr_grpo import DrGRPO, DrGRPOConfig
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import RLAlgorithm, Rollout
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import RLAlgorithm, Rollout
 from alignflow.plugins.expo import ExPO, ExPOConfig
 from alignflow.plugins.grpo import GRPO
 

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rewards import RewardSet
-from alignflow.core.task import draw, render, sloppy
+from alignflow.core.task.arithmetic import draw, render, sloppy
 from alignflow.plugins.false_equations import FalseEquations, evaluate, false_equations
 
 COMPLETIONS = [

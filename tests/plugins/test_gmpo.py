@@ -6,8 +6,8 @@ import pydantic
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.gmpo import GMPO, GMPOConfig
 
 LENGTHS = [2, 4, 1, 3]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.grpo_process import ProcessGRPO
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
+from alignflow.core.rl.aggregation import aggregate
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 from alignflow.plugins.gspo import GSPO, GSPOConfig
 from helpers.rollouts import make_rollout

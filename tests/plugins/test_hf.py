@@ -6,8 +6,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from alignflow.core.sampling import cut_at_stop, left_pad
-from alignflow.core.settings import GenerationSettings
-from alignflow.core.tokenizer import build_char_tokenizer
+from alignflow.core.spec.settings import GenerationSettings
+from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.plugins.hf import HFSampler
 
 

@@ -10,10 +10,10 @@ import torch
 from pydantic import ValidationError
 
 import alignflow.plugins.implicit_prm as implicit
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.models import load_model
-from alignflow.core.preference import PairBatch
-from alignflow.core.tokenizer import build_char_tokenizer
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.models import load_model
+from alignflow.core.train.offline import PairBatch
+from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.plugins.dpo import DPO
 from alignflow.plugins.implicit_prm import ImplicitPRM, ImplicitProcessReward, trained_with
 
@@ -189,7 +189,7 @@ def direct_log_ratios(prm, ref, ids):
 def test_the_sum_of_step_rewards_is_the_reward_the_preference_stage_trained(tiny_pair):
     from datasets import Dataset
 
-    from alignflow.core.data import collate, tokenize
+    from alignflow.core.train.datasets import collate, tokenize
     from alignflow.flows.stages.preference import SequenceScorer
 
     path, ref = tiny_pair
@@ -239,9 +239,9 @@ def test_the_preference_stage_trains_it_from_log2(tmp_path, tiny_pair):
     """Through the preference stage's loop: at step 1 the policy is its reference, so every r = 0 and every
     response's cross-entropy is -log sigma(0) = ln 2; the held-out pairs report the classifier's accuracy."""
     from alignflow.core.plugins import Plugins
-    from alignflow.core.settings import TrainSettings
-    from alignflow.core.spec import parse_spec
-    from alignflow.core.task import write_datasets
+    from alignflow.core.spec.settings import TrainSettings
+    from alignflow.core.spec.schema import parse_spec
+    from alignflow.core.task.arithmetic import write_datasets
     from alignflow.flows.stages import StageContext
     from alignflow.flows.stages.preference import run_preference
 
@@ -271,7 +271,7 @@ def test_the_preference_stage_trains_it_from_log2(tmp_path, tiny_pair):
 
 def finished(root, stage, digest, inputs, config):
     """A finished artifact with a model output, as the pipeline's artifact store writes it."""
-    from alignflow.flows.artifacts import ArtifactStore
+    from alignflow.flows.store.artifacts import ArtifactStore
 
     store = ArtifactStore(root)
     work = store.fresh_work_dir(stage, digest)
@@ -308,10 +308,10 @@ def run_rl_stage(tmp_path, algorithm, prm, policy):
     """One step of an rl stage on the tiny model: the verifier first (0 for every sample), then the implicit
     PRM (weight 0) reading the stage's `prm` and `reference` inputs."""
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.settings import RLSettings
-    from alignflow.core.spec import StageSpec
+    from alignflow.core.spec.settings import RLSettings
+    from alignflow.core.spec.schema import StageSpec
     from alignflow.flows.stages import StageContext
-    from alignflow.flows.stages.rl import run_rl
+    from alignflow.flows.stages.rl.stage import run_rl
 
     data = tmp_path / "rl.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "dead"}) + "\n" for i in range(4)))

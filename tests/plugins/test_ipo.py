@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from alignflow.core.preference import PairBatch
+from alignflow.core.train.offline import PairBatch
 from alignflow.plugins.ipo import IPO
 
 

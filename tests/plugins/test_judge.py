@@ -2,7 +2,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.tokenizer import build_char_tokenizer
+from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.plugins.judge import Judge
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm, aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import StepNorm, aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.kimi import Kimi, KimiConfig
 
 LENGTHS = [2, 3, 1]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from alignflow.core.preference import UnpairedBatch
+from alignflow.core.train.offline import UnpairedBatch
 from alignflow.plugins.kto import KTO
 
 
@@ -73,7 +73,7 @@ def test_step_metrics_do_not_depend_on_the_micro_batch_grouping():
 
     Weighting a micro-batch's chosen mean by all its rows gave (0.1*2 + 0.05*1) / 3 for [0, 1] + [2] here.
     """
-    from alignflow.flows.stages.offline import Tally
+    from alignflow.flows.stages.offline_loop import Tally
 
     kto, full = KTO(), batch()
     whole = Tally()

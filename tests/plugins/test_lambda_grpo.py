@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.lambda_grpo import LambdaGRPO, LambdaGRPOConfig
 
 LENGTHS = [1, 2, 3, 6]

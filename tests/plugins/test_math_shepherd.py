@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import StepBatch
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import StepBatch
 from alignflow.plugins.math_shepherd import MathShepherd
 
 

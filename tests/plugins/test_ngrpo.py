@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
+from alignflow.core.rl.aggregation import aggregate
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.ngrpo import NGRPO, NGRPOConfig
 

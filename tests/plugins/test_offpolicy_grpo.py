@@ -8,17 +8,17 @@ import pytest
 import torch
 
 from alignflow.core import hookimpl
-from alignflow.core.aggregation import aggregate
-from alignflow.core.models import load_model
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.train.models import load_model
 from alignflow.core.plugins import get_plugins
-from alignflow.core.rl import Rollout
-from alignflow.core.settings import RLSettings
-from alignflow.core.spec import StageSpec
+from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.spec.settings import RLSettings
+from alignflow.core.spec.schema import StageSpec
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.rl import run_rl
-from alignflow.flows.stages.rl_prompts import PromptDraw
-from alignflow.flows.stages.rl_replay import ReplayBuffer, replay_metrics, restore, with_replayed
-from alignflow.flows.stages.rl_rollout import Samples, to_batch
+from alignflow.flows.stages.rl.stage import run_rl
+from alignflow.flows.stages.rl.prompts import PromptDraw
+from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, restore, with_replayed
+from alignflow.flows.stages.rl.rollout import Samples, to_batch
 from alignflow.plugins import offpolicy_grpo
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.offpolicy_grpo import OffPolicyGRPO, OffPolicyGRPOConfig

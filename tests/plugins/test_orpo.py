@@ -4,8 +4,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import PairBatch
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import PairBatch
 from alignflow.plugins.orpo import ORPO
 
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.reinforce_pp import ReinforcePP, ReinforcePPConfig
 
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])

@@ -10,14 +10,14 @@ from pydantic import ValidationError
 
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.errors import AlignflowError
-from alignflow.core.models import load_model
+from alignflow.core.train.models import load_model
 from alignflow.core.plugins import get_plugins
-from alignflow.core.rl import Rollout, cost_reward_problem
-from alignflow.core.settings import RLSettings
-from alignflow.core.spec import RewardRef, StageSpec
+from alignflow.core.rl.algorithm import Rollout, cost_reward_problem
+from alignflow.core.spec.settings import RLSettings
+from alignflow.core.spec.schema import RewardRef, StageSpec
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.rl import run_rl
-from alignflow.flows.stages.rl_rollout import Samples, to_batch
+from alignflow.flows.stages.rl.stage import run_rl
+from alignflow.flows.stages.rl.rollout import Samples, to_batch
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.repo import RePO, RePOConfig
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from alignflow.core.tokenizer import build_char_tokenizer
+from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.plugins.reward_model import RewardModel
 
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from alignflow.core.aggregation import aggregate
+from alignflow.core.rl.aggregation import aggregate
 from alignflow.plugins.rloo import RLOO, RLOOConfig
 from helpers.rollouts import make_rollout
 

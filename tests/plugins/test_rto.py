@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.ppo import PPO, PPOConfig
 from alignflow.plugins.rto import RTO, RTOConfig
 

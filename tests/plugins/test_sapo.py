@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import aggregate
-from alignflow.core.rl import PolicyBatch, Rollout
-from alignflow.core.rl_parts import clipped_surrogate
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import PolicyBatch, Rollout
+from alignflow.core.rl.parts import clipped_surrogate
 from alignflow.plugins.sapo import SAPO, SAPOConfig, sapo_gate
 
 RATIOS = torch.tensor([0.5, 1.0, 1.5, 3.0])

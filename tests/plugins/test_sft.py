@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from alignflow.core.aggregation import StepNorm
-from alignflow.core.preference import TokenBatch
+from alignflow.core.rl.aggregation import StepNorm
+from alignflow.core.train.offline import TokenBatch
 from alignflow.plugins.sft import SFT
 
 INF = math.inf

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from alignflow.core.errors import DataError
-from alignflow.core.rl import Rollout
+from alignflow.core.rl.algorithm import Rollout
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.sgpo import SGPO, SGPOConfig, correct_prefix
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from alignflow.core.preference import PairBatch
+from alignflow.core.train.offline import PairBatch
 from alignflow.plugins.simpo import SimPO
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.preference import PairBatch
+from alignflow.core.train.offline import PairBatch
 from alignflow.plugins.dpo import DPO
 from alignflow.plugins.spin import SPIN
 

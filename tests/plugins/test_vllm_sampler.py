@@ -12,9 +12,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.system]  # vLLM starts its engine co
 pytest.importorskip("vllm", reason="vLLM is not installed: .ci/run runs these tests in an environment that has it")
 
 from alignflow.core.errors import AlignflowError  # noqa: E402
-from alignflow.core.adapters import merged_state_dict  # noqa: E402
-from alignflow.core.models import build_tiny, load_model, load_tokenizer  # noqa: E402
-from alignflow.core.settings import GenerationSettings  # noqa: E402
+from alignflow.core.train.adapters import merged_state_dict  # noqa: E402
+from alignflow.core.train.models import build_tiny, load_model, load_tokenizer  # noqa: E402
+from alignflow.core.spec.settings import GenerationSettings  # noqa: E402
 from alignflow.plugins.hf import HFSampler  # noqa: E402
 from alignflow.plugins.vllm_sampler import VLLMSampler  # noqa: E402
 
@@ -136,8 +136,8 @@ def test_weights_sync_in_place_and_the_prefix_cache_follows(engine, policy):
 
 def lora_policy(model, seed: int, **lora):
     """The tiny model under fresh peft LoRA adapters (B = 0: it is still the base model)."""
-    from alignflow.core.adapters import with_lora
-    from alignflow.core.settings import LoraSettings
+    from alignflow.core.train.adapters import with_lora
+    from alignflow.core.spec.settings import LoraSettings
 
     return with_lora(copy.deepcopy(model), LoraSettings(**{"r": 8, **lora}), "builtin:tiny", seed=seed).eval()
 

@@ -4,7 +4,7 @@ import torch
 from pydantic import Field
 
 from alignflow.core import PluginConfig
-from alignflow.core.preference import PairBatch, PreferenceAlgorithm
+from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm
 
 
 class Hinge(PreferenceAlgorithm):

@@ -2,8 +2,8 @@
 
 from typing import ClassVar
 
-from alignflow.core.aggregation import AggMode
-from alignflow.core.rl import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.aggregation import AggMode
+from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
 
 
 class ReinforceConfig(PolicyGradientConfig):

@@ -1,0 +1,1 @@
+"""Running untrusted code: the sandbox, its bootstrap and bubblewrap's options."""

@@ -1,0 +1,1 @@
+"""Pipeline specs: the YAML's models, stage kinds, settings and loops."""

@@ -1,0 +1,154 @@
+"""Stage kinds: one record per kind, the only place a kind is described; every per-kind table derives from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from alignflow.core.contracts import PluginConfig
+from alignflow.core.errors import SpecError
+from alignflow.core.spec.settings import (CritiqueSettings, EvaluateSettings, PolicySettings, PRMSettings, RLSettings,
+                                     SampleSettings, SelectSettings, StepLabelSettings, TrainSettings, critique_rows,
+                                     sampled_rows)
+
+# The row schema (alignflow.core.train.datasets.SCHEMAS) a stage's `dataset` input holds, for the kinds where it
+# depends on the stage: (stage spec, plugins) -> schema. None: any JSON objects.
+SchemaOf = Callable[[Any, Any], "str | None"]
+
+
+def _preference_rows(stage, plugins) -> str:
+    """pairwise; unpaired for an algorithm that `requires_labels`"""
+    algo = plugins.algorithms.get(stage.algorithm.name)
+    return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
+
+
+def _rejection_rows(stage, plugins) -> str:
+    """prompt_answer; sft for `output: self_play`"""
+    return sampled_rows(stage.settings.get("output", "sft"))
+
+
+def _critique_rows(stage, plugins) -> str:
+    """prompt; prompt_answer when it lists rewards"""
+    return critique_rows(bool(stage.rewards))
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """What a pipeline, the planner and the launcher know of one stage kind; its runner is in flows/stages."""
+
+    name: str
+    # input name -> the upstream output (`model` | `dataset`) a `stage:NAME` value reads; None: a file only
+    inputs: Mapping[str, str | None]
+    required: frozenset[str]  # inputs it cannot run without
+    plugins: frozenset[str]  # of algorithm, rewards, sampler, selectors; an `algorithm` is then required
+    settings: type[PluginConfig]  # the model that validates its `settings:` block
+    schema: str | SchemaOf | None  # the row schema of its `dataset` input (None: any JSON objects)
+    outputs: frozenset[str]  # what it writes: `model` and/or `dataset`
+    doc: str = ""
+    needs_rewards: bool = False  # at least one reward
+    samples: bool = False  # generates with or without rewards: its sampler is always filled in
+    schema_needs_plugins: bool = False  # `schema` reads the stage's algorithm: known once plugins load
+    training: bool = False  # trains a model with the shared engine (its memory is estimated)
+    value_head: bool = False  # trains a one-output sequence-classification model
+    online_sampler: bool = False  # its sampler lives beside the trainer and takes each update's weights
+    # Its runner splits its rows (each step's, or the prompts to sample) over the ranks of a process group.
+    data_parallel: bool = False
+    # Its result depends on the number of ranks beyond float rounding (each rank samples its share of the
+    # rollouts with its own seed): the number is part of its digest.
+    rank_dependent: bool = False
+    # Its runner touches no process-wide state (the others seed torch's global RNG, share DeepSpeed's
+    # process group, import transformers lazily), so sibling stages may run it in threads at once; one
+    # that scores rows with rewards loads models and is not, whatever this says.
+    thread_safe: bool = False
+
+    def dataset_schema(self, stage, plugins=None) -> str | None:
+        """The row schema stage `stage`'s `dataset` holds; `plugins` are needed where `schema_needs_plugins`."""
+        return self.schema(stage, plugins) if callable(self.schema) else self.schema
+
+    def required_inputs(self) -> list[str]:
+        return sorted(self.required)
+
+
+MODEL, DATASET = "model", "dataset"
+TRAIN_INPUTS = {"model": MODEL, "dataset": DATASET, "eval_dataset": DATASET}
+SCORERS = {"reward_model": MODEL, "prm": MODEL}  # a trained reward model or PRM, for rewards that load one
+REQUIRED = frozenset({"model", "dataset"})
+# Training stages may list rewards (and a sampler) to score `eval_dataset` completions at the end.
+POLICY_PLUGINS = frozenset({"algorithm", "rewards", "sampler"})
+SAMPLING_PLUGINS = frozenset({"rewards", "sampler"})
+
+
+def _train(name: str, settings, schema, plugins=frozenset({"algorithm"}), inputs=(), **flags) -> StageKind:
+    return StageKind(name, {**TRAIN_INPUTS, **dict(inputs)}, REQUIRED, plugins, settings, schema,
+                     frozenset({MODEL}), training=True, data_parallel=True, **flags)
+
+
+_RECORDS = (
+    StageKind("select", {"dataset": DATASET, **SCORERS}, frozenset({"dataset"}), frozenset({"selectors", "rewards"}),
+              SelectSettings, None, frozenset({DATASET}), thread_safe=True,
+              doc="filters, orders or scores rows; rewards score prompt/completion rows before the selectors run"),
+    _train("sft", PolicySettings, "sft", POLICY_PLUGINS, doc="supervised fine-tuning on prompt/completion rows"),
+    _train("reward_model", TrainSettings, "pairwise", value_head=True, doc="a reward model from preference pairs"),
+    _train("prm", PRMSettings, "steps", value_head=True, doc="a process reward model from labelled steps"),
+    _train("preference", PolicySettings, _preference_rows, POLICY_PLUGINS, {"reference": MODEL},
+           schema_needs_plugins=True, doc="offline preference optimisation (DPO and kin)"),
+    _train("rl", RLSettings, "prompt_answer", POLICY_PLUGINS,
+           {"reference": MODEL, **SCORERS, "critic": MODEL, "teacher": MODEL}, needs_rewards=True,
+           online_sampler=True, rank_dependent=True, doc="online RL: generate, score, update"),
+    StageKind("rejection_sampling", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, SAMPLING_PLUGINS,
+              SampleSettings, _rejection_rows, frozenset({DATASET}), needs_rewards=True, data_parallel=True,
+              doc="samples completions and keeps the best (or pairs) by reward"),
+    # Constitutional AI: `model` answers, critiques its answer against a principle drawn from the
+    # `constitution` file and revises it; rewards, when listed, score the original and the revision.
+    StageKind("critique_revise", {"model": MODEL, "dataset": DATASET, "constitution": None, **SCORERS},
+              REQUIRED | {"constitution"}, SAMPLING_PLUGINS, CritiqueSettings, _critique_rows,
+              frozenset({DATASET}), samples=True, doc="Constitutional AI's critique and revision"),
+    # Math-Shepherd: `model` samples solutions, `completer` (default: `model`) completes their step
+    # prefixes, the rewards judge the completions.
+    StageKind("step_labels", {"model": MODEL, "dataset": DATASET, "completer": MODEL}, REQUIRED, SAMPLING_PLUGINS,
+              StepLabelSettings, "prompt_answer", frozenset({DATASET}), needs_rewards=True, data_parallel=True,
+              doc="Math-Shepherd step labels from completed step prefixes"),
+    StageKind("evaluate", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, SAMPLING_PLUGINS,
+              EvaluateSettings, "prompt_answer", frozenset({DATASET}), needs_rewards=True, data_parallel=True,
+              doc="accuracy and pass@k of sampled completions"),
+)
+KINDS: dict[str, StageKind] = {record.name: record for record in _RECORDS}
+
+
+def stage_kind(name: str) -> StageKind:
+    """The record of kind `name`; a SpecError naming the known kinds otherwise."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise SpecError(f"unknown stage kind {name!r}: expected one of {', '.join(KINDS)}") from None
+
+
+def settings_model(kind: str) -> type[PluginConfig]:
+    """The settings model of stage kind `kind`."""
+    return stage_kind(kind).settings
+
+
+# Derived tables, under the names the rest of the code imports.
+SETTINGS: dict[str, type[PluginConfig]] = {k: r.settings for k, r in KINDS.items()}
+TRAINING_KINDS = tuple(k for k, r in KINDS.items() if r.training)
+VALUE_HEAD_KINDS = tuple(k for k, r in KINDS.items() if r.value_head)
+THREAD_SAFE_KINDS = frozenset(k for k, r in KINDS.items() if r.thread_safe)
+DATA_PARALLEL_KINDS = frozenset(k for k, r in KINDS.items() if r.data_parallel)
+RANK_DEPENDENT_KINDS = frozenset(k for k, r in KINDS.items() if r.rank_dependent)
+# Which upstream output a `stage:NAME` input reads, by the input's name (the same in every kind).
+OUTPUT_OF_INPUT: dict[str, str] = {i: out for r in KINDS.values() for i, out in r.inputs.items() if out is not None}
+OUTPUTS = frozenset(out for r in KINDS.values() for out in r.outputs)
+
+
+def kinds_markdown() -> str:
+    """The stage-kind table as Markdown: inputs (required in bold), plugins, settings, schema, outputs, ranks."""
+    rows = ["| kind | inputs | plugins | settings model | dataset schema | outputs | data-parallel |",
+            "|---|---|---|---|---|---|---|"]
+    for r in KINDS.values():
+        inputs = ", ".join(f"**{i}**" if i in r.required else i for i in r.inputs)
+        plugins = ", ".join(p + ("" if p != "rewards" or not r.needs_rewards else " (1+)") for p in sorted(r.plugins))
+        # a schema that depends on the stage is described by its function's docstring
+        schema = r.schema.__doc__ if callable(r.schema) else r.schema or "any JSON objects"
+        rows.append(f"| `{r.name}` | {inputs} | {plugins} | `{r.settings.__name__}` | {schema} | "
+                    f"{', '.join(sorted(r.outputs))} | {'yes' if r.data_parallel else 'no'} |")
+    return "\n".join(rows)

@@ -1,0 +1,180 @@
+"""One stage of a pipeline spec: its pydantic model, and its settings and plugin configs validated once.
+
+A checked spec (core/spec/schema.py) holds each stage's settings model instance and each plugin's validated config;
+the digest, the memory estimate and the runners read those instead of validating the raw blocks again.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from alignflow.core.contracts import PluginConfig, StageKind, plugin_config_model
+from alignflow.core.errors import PluginError, SpecError
+from alignflow.core.spec.kinds import settings_model
+
+STAGE_REF = "stage:"
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def loc_text(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def check_pool_name(name: str) -> str:
+    """A work pool name that is also a deployment name (`alignflow-stage/NAME`): no `/`, spaces or quotes."""
+    if not POOL_NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a work pool name: expected letters, digits, '_', '.', '-' "
+                         "(starting with a letter or digit)")
+    return name
+
+
+def validate_model(model: type[BaseModel] | None, config: dict, where: str):
+    """Validate `config` with `model`; errors read `where.field: message`."""
+    if model is None:
+        if config:
+            raise SpecError(f"{where}: this plugin takes no config, got {', '.join(config)}")
+        return None
+    try:
+        return model.model_validate(config)
+    except ValidationError as exc:
+        lines = [f"{where}.{loc_text(e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise SpecError("\n".join(lines)) from None
+
+
+def validate_config(obj: Any, config: dict, where: str):
+    """Validate a `config:` block with the plugin's own model; None when the plugin takes none."""
+    return validate_model(plugin_config_model(obj), config, where)
+
+
+class _Checked:
+    """A validated model kept with the model class and a copy of the raw block it came from: a block edited
+    since, or validated by another class, is validated anew. A cache: equal whatever it holds."""
+
+    def __init__(self):
+        self.key: Any = None
+        self.value: Any = None
+
+    def get(self, model: Any, raw: Any, validate) -> Any:
+        if self.key is None or self.key[0] is not model or self.key[1] != raw:
+            value = validate()  # raises on a bad block: nothing is kept
+            self.key, self.value = (model, _plain_copy(raw)), value
+        return self.value.model_copy(deep=True) if isinstance(self.value, BaseModel) else self.value
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Checked)
+
+    __hash__ = None
+
+
+def _plain_copy(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return {k: _plain_copy(v) for k, v in raw.items()}
+    if isinstance(raw, list):
+        return [_plain_copy(v) for v in raw]
+    return raw
+
+
+class PluginRef(BaseModel):
+    """A plugin by name, with the config its own `Config` model validates."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    _checked: _Checked = PrivateAttr(default_factory=_Checked)
+
+    @classmethod
+    def coerce(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    def validated(self, registry, where: str):
+        """The plugin's `config:` validated by its `Config` model (None when it takes none), validated once."""
+        obj = lookup(where, self, registry)
+        model = plugin_config_model(obj)
+        return self._checked.get(model, self.config, lambda: validate_model(model, self.config, f"{where}.config"))
+
+
+class RewardRef(PluginRef):
+    weight: float = 1.0
+
+
+def lookup(where: str, ref: PluginRef, registry):
+    """The registered plugin `ref` names; a SpecError at `where.name` when there is none."""
+    try:
+        return registry.get(ref.name)
+    except PluginError as exc:
+        raise SpecError(f"{where}.name: {exc}") from None
+
+
+def build_plugin(registry, ref: PluginRef, where: str):
+    """An instance of the plugin class `ref` names, built with its validated config."""
+    return registry.get(ref.name)(ref.validated(registry, where))
+
+
+class StageSpec(BaseModel):
+    """One stage: its kind, inputs (paths, hub ids or `stage:NAME`), plugins and settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    kind: StageKind
+    inputs: dict[str, str] = Field(default_factory=dict)
+    algorithm: PluginRef | None = None
+    rewards: list[RewardRef] = Field(default_factory=list)
+    sampler: PluginRef | None = None
+    selectors: list[PluginRef] = Field(default_factory=list)
+    settings: dict[str, Any] = Field(default_factory=dict)
+    # The Prefect work pool whose worker runs this stage (flows/launch/pools.py); None: the pipeline's own
+    # process. Where a stage runs is not part of its digest: moving it between pools reuses its artifact.
+    pool: str | None = None
+    _checked: _Checked = PrivateAttr(default_factory=_Checked)
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, v):
+        return check_pool_name(v) if v is not None else v
+
+    @field_validator("algorithm", "sampler", mode="before")
+    @classmethod
+    def _one(cls, v):
+        return PluginRef.coerce(v)
+
+    @field_validator("rewards", "selectors", mode="before")
+    @classmethod
+    def _many(cls, v):
+        return [PluginRef.coerce(x) for x in v] if isinstance(v, list) else v
+
+    def references(self) -> dict[str, str]:
+        """input name -> upstream stage name, for inputs given as `stage:NAME`."""
+        return {k: v[len(STAGE_REF):] for k, v in self.inputs.items() if v.startswith(STAGE_REF)}
+
+    def validated_settings(self, where: str = "settings"):
+        """The kind's settings model instance, defaults filled (validated once; each call gets its own copy)."""
+        model = settings_model(self.kind)
+        return self._checked.get(model, self.settings, lambda: validate_model(model, self.settings, where))
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def resolve_input(value: str, project: Path) -> Path | str:
+    """A local path (relative to the project) when it exists, else a hub id left as a string.
+
+    A hub id has the hub's form, `name` or `org/name`; a value that does not (`./x`, `/x`, `~/x`, a data
+    file's suffix, more than one `/`), or whose first folder exists in the project (`models/my-sft`
+    when `models/` is there), is a path, and a missing path is an error now rather than a failed
+    download later.
+    """
+    if value.startswith("builtin:"):  # a model the project builds itself (`builtin:tiny`)
+        return value
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else project / path
+    if path.exists():
+        return path
+    first = Path(value).parts[0] if Path(value).parts else ""
+    local = (value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".parquet", ".csv"}
+             or not HUB_ID.fullmatch(value) or ("/" in value and (project / first).is_dir()))
+    if local:
+        raise SpecError(f"input {value!r}: no such file or folder (looked in {path})")
+    return value

@@ -1,0 +1,1 @@
+"""The bundled tiny task: arithmetic problems, the tiny model's tokenizer, constitutions."""

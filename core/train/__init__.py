@@ -1,0 +1,1 @@
+"""Training machinery: models, datasets, the DeepSpeed engine, checkpoints, memory estimates."""

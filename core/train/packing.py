@@ -1,0 +1,197 @@
+"""Packed trainer forwards: a micro-batch's real tokens end to end in few rows, and each distinct prompt once.
+
+A GRPO group is G completions of one prompt. Padded, a micro-batch computes every prompt G times and every
+row to the longest one's width. Packed, the rows' real tokens sit end to end in rows of at least
+`PACK_WIDTH` tokens; rows that share their prompt (the tokens before their first scored one) share one
+copy of it: the unit [prompt, completion 1, ..., completion k] costs P + sum(C_i) tokens instead of
+k * P + sum(C_i). Each completion attends to its prompt and to itself (a 4D mask; its positions continue
+from the prompt's), so every log-prob and gradient is the padded batch's (tested to float rounding); the
+shared prompt's gradient is the sum over its completions, as it is when the prompt is repeated.
+
+Without shared prompts (or for a model whose attention ignores a 4D mask) the units are single rows and
+the separation is transformers' own: position ids that restart at each sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
+
+log = logging.getLogger(__name__)
+
+PACK_WIDTH = 256  # tokens per packed row at least: attention over it costs little beside the matmuls
+
+
+def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
+    """Items into bins of `width` tokens, first fit in decreasing length: each bin's items, in order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        slot = next((i for i, free in enumerate(room) if free >= lengths[row]), None)
+        if slot is None:
+            bins.append([])
+            room.append(width)
+            slot = len(bins) - 1
+        bins[slot].append(row)
+        room[slot] -= lengths[row]
+    return bins
+
+
+@dataclass
+class Layout:
+    """Where every real token of a [B, T] batch sits in the packed [R, W] rows."""
+
+    rows: int
+    width: int
+    source: Tensor  # [N] flat [B*T] index of each packed token's id
+    target: Tensor  # [N] flat [R*W] packed index it goes to
+    positions: Tensor  # [R*W] position ids
+    at: Tensor  # [B*T] flat packed index of each real token (a shared prompt's tokens: the shared copy), else -1
+    unit: Tensor | None = None  # [R*W] which unit (prompt + its completions) a packed token belongs to
+    segment: Tensor | None = None  # [R*W] -1 on a unit's prompt, else the completion's own row
+
+
+def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: list[int] | None):
+    """Rows grouped by equal prompt tokens (`prompts`: each row's prompt length; None: no sharing)."""
+    if prompts is None:
+        return [[b] for b in range(len(lengths))]
+    found: dict[tuple, list[int]] = {}
+    for b, (s, p) in enumerate(zip(starts, prompts)):
+        found.setdefault((p, tuple(input_ids[b, s: s + p].tolist())), []).append(b)
+    return list(found.values())
+
+
+def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None) -> Layout:
+    """Pack the rows; with `prompts` (each row's prompt length) rows with equal prompts share one copy."""
+    B, T = input_ids.shape
+    lengths = attention_mask.sum(-1).tolist()
+    starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
+    units = units_of(input_ids, starts, lengths, prompts)
+    shared = [0 if len(u) == 1 else prompts[u[0]] for u in units]  # prompt tokens stored once per unit
+    sizes = [p + sum(lengths[b] - p for b in u) for u, p in zip(units, shared)]
+    W = max(max(sizes), PACK_WIDTH)
+    bins = pack_rows(sizes, W)
+    src, dst, pos, unit_of, seg = [], [], [], [], []
+    at = torch.full((B * T,), -1, dtype=torch.long)
+    for r, members in enumerate(bins):
+        offset = r * W
+        for u in members:
+            p = shared[u]
+            first = units[u][0]
+            prompt = torch.arange(p) + first * T + starts[first]
+            if p:
+                src.append(prompt), dst.append(torch.arange(p) + offset), pos.append(torch.arange(p))
+                unit_of.append(torch.full((p,), u)), seg.append(torch.full((p,), -1))
+                for b in units[u]:
+                    at[torch.arange(p) + b * T + starts[b]] = torch.arange(p) + offset
+                offset += p
+            for b in units[u]:
+                n = lengths[b] - p
+                rest = torch.arange(n) + b * T + starts[b] + p
+                src.append(rest), dst.append(torch.arange(n) + offset), pos.append(torch.arange(n) + p)
+                unit_of.append(torch.full((n,), u)), seg.append(torch.full((n,), b))
+                at[rest] = torch.arange(n) + offset
+                offset += n
+        free = (r + 1) * W - offset  # the free tail: one more causal sequence of its own
+        pos.append(torch.arange(free)), unit_of.append(torch.full((free,), -1 - r)), seg.append(torch.full((free,), -1))
+    device = input_ids.device
+    out = Layout(len(bins), W, torch.cat(src).to(device), torch.cat(dst).to(device), torch.cat(pos).to(device),
+                 at.to(device))
+    if any(shared):
+        out.unit, out.segment = torch.cat(unit_of).to(device), torch.cat(seg).to(device)
+    return out
+
+
+def attention_bias(lay: Layout, dtype: torch.dtype) -> Tensor:
+    """[R, 1, W, W] additive mask: a token sees the earlier tokens of its unit's prompt and of its own segment."""
+    unit, seg = lay.unit.view(lay.rows, lay.width), lay.segment.view(lay.rows, lay.width)
+    index = torch.arange(lay.width, device=unit.device)
+    allowed = (unit[:, :, None] == unit[:, None, :]) & (index[None, :, None] >= index[None, None, :])
+    allowed &= (seg[:, None, :] == -1) | (seg[:, :, None] == seg[:, None, :])
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=unit.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, temperature: float,
+                          return_entropy: bool, share_prompts: bool = True):
+    """`token_logprobs` on packed rows (see the module docstring). `mask` [B, T]: the scored tokens; a row's
+    prompt is its real tokens before its first scored one. Real tokens of a row must be contiguous."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    prompts = None
+    if share_prompts and masks_work(model):
+        first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + attention_mask.int().argmax(-1))
+        prompts = (first - attention_mask.int().argmax(-1)).tolist()
+    lay = layout(input_ids, attention_mask, prompts)
+    packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=device)
+    packed[lay.target] = input_ids.reshape(-1)[lay.source]
+    kwargs = dict(position_ids=lay.positions.view(lay.rows, lay.width), use_cache=False)
+    if lay.unit is not None:
+        kwargs["attention_mask"] = attention_bias(lay, next(model.parameters()).dtype)
+    logits = model(packed.view(lay.rows, lay.width), **kwargs).logits
+    # A scored token t of row b is predicted by the logits where its row's token t-1 sits.
+    target = mask.reshape(-1).nonzero().flatten()
+    picked = logits.view(-1, logits.shape[-1])[lay.at[target - 1]]
+    if temperature != 1.0:
+        picked = picked / temperature
+    out = torch.zeros(B * T, dtype=torch.float32, device=device)
+    out = out.index_put((target,), logprobs_from_logits(picked, input_ids.reshape(-1)[target]))
+    if not return_entropy:
+        return out.view(B, T)
+    ent = torch.zeros_like(out).index_put((target,), entropy_from_logits(picked[None])[0])
+    return out.view(B, T), ent.view(B, T)
+
+
+_PACKING: dict[type, bool] = {}
+_MASKS: dict[type, bool] = {}
+
+
+def _probe(model, cache: dict, what: str, check) -> bool:
+    """check(model) once per model class, False with a warning naming `what` the model does not honour."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine's module
+    kind = type(model)
+    if kind not in cache:
+        with torch.no_grad():
+            cache[kind] = bool(check(model))
+        if not cache[kind]:
+            log.warning("%s does not honour %s: %s", kind.__name__, what,
+                        "padded batches instead" if cache is _PACKING else "packed rows do not share prompts")
+    return cache[kind]
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal up to the rounding of the logits' dtype (bf16 keeps 8 bits: 1e-3 would fail a model that works)."""
+    tol = max(1e-3, 8 * torch.finfo(a.dtype).eps) if a.is_floating_point() else 1e-3
+    return torch.allclose(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def packing_works(model) -> bool:
+    """Whether `model`'s attention separates packed sequences by position ids that restart (transformers' own
+    detection): two short sequences, packed against apart, once per model class."""
+    def check(m):
+        ids = torch.arange(1, 9, device=m.device).remainder(m.config.vocab_size)[None]
+        apart = torch.cat([m(ids[:, :5], use_cache=False).logits, m(ids[:, 5:], use_cache=False).logits], 1)
+        positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]], device=m.device)
+        return _same(apart, m(ids, position_ids=positions, use_cache=False).logits)
+    return _probe(model, _PACKING, "restarting position ids", check)
+
+
+def masks_work(model) -> bool:
+    """Whether `model` honours a 4D additive attention mask (prompt sharing needs one): a 3-token prompt with
+    completions of 2 and 3 tokens, packed as one unit, against each sequence apart; once per model class."""
+    def check(m):
+        ids = torch.arange(1, 9, device=m.device).remainder(m.config.vocab_size)
+        lay = Layout(1, 8, ids, ids, torch.tensor([0, 1, 2, 3, 4, 3, 4, 5], device=m.device), ids,
+                     unit=torch.zeros(8, dtype=torch.long, device=m.device),
+                     segment=torch.tensor([-1, -1, -1, 0, 0, 1, 1, 1], device=m.device))
+        bias = attention_bias(lay, next(m.parameters()).dtype)
+        packed = m(ids[None], position_ids=lay.positions[None], attention_mask=bias, use_cache=False).logits[0]
+        first = m(ids[None, :5], use_cache=False).logits[0]
+        second = m(torch.cat([ids[:3], ids[5:]])[None], use_cache=False).logits[0]
+        return _same(packed[:5], first) and _same(packed[5:], second[3:])
+    return _probe(model, _MASKS, "a 4D attention mask", check)

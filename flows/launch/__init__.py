@@ -1,0 +1,1 @@
+"""Where a stage runs: this process, child processes, ranks, nodes, work pools; and stopping them."""

@@ -1,0 +1,228 @@
+"""The `rl` stage: online RL with any registered RL algorithm, driven by its flags and capabilities alone.
+
+Per step: groups of earlier steps to replay -> G completions per prompt, scored, filtered, refilled ->
+guided samples for unsolved groups -> padded tensors and the forward passes the algorithm needs (pi_old,
+reference, teacher, critic) -> advantages on the whole rollout -> mu epochs of minibatch optimizer steps ->
+the sampler takes the new weights. pi_old is the sampler's own log-probs: no extra forward pass (but on
+guided rows, whose sampler log-probs are after another prompt). What one algorithm alone needs lives in
+a file of its own: rl_guided, rl_replay, rl_costs, rl_state, rl_params.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from alignflow.core import seeds
+from alignflow.core.train.adapters import AdaptersOff
+from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.engine import Engine
+from alignflow.core.errors import SpecError
+from alignflow.core.train.models import token_logprobs
+from alignflow.core.progress import progress
+from alignflow.core.rewards import RewardSet
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.evaluation import evaluate_model
+from alignflow.flows.stages.rl.costs import check_costs, cost_label
+from alignflow.flows.stages.rl.guided import rescore_guided, with_guided
+from alignflow.flows.stages.rl.overlap import Overlapped, overlap_next
+from alignflow.flows.stages.rl.params import attach_parameters, detach_parameters
+from alignflow.flows.stages.rl.prompts import PromptDraw
+from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, restore, with_replayed
+from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, rollout_metrics, to_batch
+from alignflow.flows.stages.rl.setup import (check_overlap, engines, load_reference, load_teacher,
+                                             minibatches_per_rollout, process_reward, rl_steps)
+from alignflow.flows.stages.rl.state import checkpoint_state, resume
+from alignflow.flows.stages.rl.update import critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.scoring import reward_set
+from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
+    save_pretrained
+
+__all__ = ["check_ranks", "rl_steps", "run_rl"]
+
+
+@dataclass
+class Parts:
+    """What every step uses: the algorithm, the models around it and the data."""
+
+    algo: Any
+    engine: Engine
+    critic: Engine | None
+    reference: torch.nn.Module | None
+    sampler: Any
+    rewards: RewardSet
+    tokenizer: Any
+    dataset: list[dict]
+    n_minibatches: int  # optimizer steps per epoch over a rollout
+    process_reward: Any = None  # the reward that scores each step, for `requires_step_rewards`
+    teacher: torch.nn.Module | None = None  # frozen, for `requires_teacher`
+    replay: ReplayBuffer | None = None  # groups of earlier steps, for algorithms that replay them
+    prompts: PromptDraw | None = None  # which rows each step generates for, and their success rates
+
+
+def build(ctx: StageContext) -> tuple[Parts, int]:
+    """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
+    s = ctx.settings
+    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    check_costs(ctx, algo)  # before any model loads
+    check_ranks(ctx)
+    if s.overlap_rollouts:
+        check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
+    with model_source(ctx) as src:
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_policy(ctx, src)
+        reference = load_reference(ctx, src) if algo.requires_reference else None
+        critic = load_model_for(ctx, ctx.inputs.get("critic", src), value_head=True) if algo.requires_critic else None
+    teacher = load_teacher(ctx, tokenizer) if algo.requires_teacher else None
+    attach_parameters(ctx, model, algo)  # before the engine, so its optimizer steps them
+    engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
+    if algo.requires_reference and reference is None:
+        reference = AdaptersOff(engine.module)
+    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.load(engine.module, tokenizer)
+    if s.overlap_rollouts:
+        sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
+    rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
+    process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
+    replay, prompts = resume(ctx, algo, engine.data_state or {}, len(dataset))  # a resumed run goes on as it was
+    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
+                 process, teacher, replay=replay, prompts=prompts), total
+
+
+def check_ranks(ctx: StageContext) -> None:
+    """What running on several data-parallel ranks needs: a prompt per rank, minibatches of a micro-batch
+    per rank, and no ZeRO-3 (each rank generates on its own, and a ZeRO-3 forward is a collective every
+    rank would have to join)."""
+    s, world = ctx.settings, int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return
+    if s.zero_stage == 3:
+        raise SpecError(f"stage {ctx.name!r}, settings.zero_stage: an rl stage on {world} processes generates on "
+                        "each separately, which ZeRO-3's sharded weights cannot: use zero_stage 0, 1 or 2")
+    if s.prompts_per_step < world:
+        raise SpecError(f"stage {ctx.name!r}, settings.prompts_per_step: {s.prompts_per_step} prompts cannot be "
+                        f"shared by {world} processes: at least one each")
+    size = s.batch_size or s.prompts_per_step * s.group_size
+    if size % (s.micro_batch_size * world):
+        raise SpecError(f"stage {ctx.name!r}, settings.micro_batch_size: each minibatch of {size} completions "
+                        f"(batch_size, else prompts_per_step x group_size) is shared by {world} processes in "
+                        f"micro-batches of {s.micro_batch_size}: {size} must be a multiple of "
+                        f"{s.micro_batch_size} x {world}")
+
+
+def run_rl(ctx: StageContext) -> StageResult:
+    """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
+    p, total = build(ctx)
+    try:
+        return train_and_evaluate(ctx, p, total)
+    finally:  # engines and rollout workers stop whether the stage ends or fails
+        p.sampler.close()
+
+
+def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
+    s = ctx.settings
+    engine, critic, updates = p.engine, p.critic, s.ppo_epochs * p.n_minibatches
+    metrics: dict[str, float] = {}
+    with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
+        for step in range(engine.step_count // updates, total):
+            metrics = rl_step(ctx, p, step)
+            if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
+                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
+            bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
+                       accuracy=metrics["accuracy"])
+            if (step + 1) % s.log_every == 0 or step + 1 == total:
+                ctx.log_metrics(metrics, step + 1)
+            if critic is not None:  # first, so the policy's newest checkpoint always has its critic
+                critic.maybe_save({"step": step + 1})
+            engine.maybe_save(checkpoint_state(step, p.algo, p.replay, p.prompts))
+    detach_parameters(engine.module)
+    out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
+    final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
+    ctx.log_metrics(final, total)
+    headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+
+
+def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
+    """Generate, score, filter, prepare, compute advantages, update; returns the step's metrics."""
+    s = ctx.settings
+    start = time.perf_counter()
+    picked = p.replay.draw(step)  # groups of earlier steps the algorithm trains on again
+    fresh, drawn, metrics = rollouts(ctx, p, step)
+    metrics.update(rollout_metrics(fresh, drawn))
+    metrics.update(replay_metrics(step, picked, fresh))
+    kept = with_replayed(fresh, picked)  # fresh rows first, then the replayed groups
+    last = step + 1 >= rl_steps(len(p.dataset), s)
+    metrics["rollout/staleness"] = overlap_next(ctx, p, step, last)  # the next round generates while this trains
+    prepared = time.perf_counter()
+    if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
+        for _ in range(p.n_minibatches * s.ppo_epochs):
+            for engine in filter(None, (p.engine, p.critic)):
+                engine.step()
+        return {**metrics, "perf/tokens": 0.0}
+    batch = scored_batch(ctx, p, kept, len(fresh), picked)
+    p.replay.add(step, fresh, batch.rollout)
+    advantages, returns = p.algo.advantages(batch.rollout)
+    trained = time.perf_counter()
+    metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches,
+                          temperature(s), seeds.generator(seeds.minibatches(ctx.seed, step))))
+    p.sampler.update_weights(p.engine.module)
+    end = time.perf_counter()
+    generated = float(sum(len(c) for c in drawn.completion_ids))
+    metrics.update(rollout_stats(batch.rollout, advantages))
+    metrics.update(p.algo.step_metrics())
+    metrics.update({"time/prepare": trained - prepared, "time/train": end - trained, "time/step": end - start,
+                    "perf/tokens": generated, "perf/tokens_per_s": generated / (end - start),
+                    "perf/completions_per_s": len(drawn) / (end - start)})
+    return metrics
+
+
+def rollouts(ctx: StageContext, p: Parts, step: int) -> tuple[Samples, Samples, dict[str, float]]:
+    """The step's kept samples (its guided samples after them), everything generated, and their metrics."""
+    kept, drawn, metrics, sources = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
+                                            p.tokenizer.pad_token_id, p.process_reward, p.prompts)
+    kept, guided = with_guided(ctx, step, kept, sources, p.sampler, p.tokenizer, p.rewards, p.algo,
+                               p.process_reward)
+    return kept, drawn, {**metrics, **guided}
+
+
+def temperature(s) -> float:
+    """The temperature of the trainer's log-probs: the sampler's; greedy sampling scores the plain softmax."""
+    return s.generation.temperature if s.generation.temperature > 0 else 1.0
+
+
+def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picked: list[dict]) -> Batch:
+    """The padded batch with the forward passes this algorithm needs before its advantages, and no other."""
+    s = ctx.settings
+    logprobs = partial(policy_logprobs, temperature=temperature(s), packed=s.pack_sequences)
+    fill = {}
+    p.sampler.release()  # a GPU engine frees its memory while the trainer steps
+    if s.recompute_old_logprobs or s.tis_cap is not None or (kept.logprobs is None and p.algo.needs_old_logprobs):
+        fill["old_logprobs"] = logprobs(p.engine.model)
+    if p.reference is not None:
+        fill["ref_logprobs"] = logprobs(p.reference)
+    if p.teacher is not None:
+        fill["teacher_logprobs"] = logprobs(p.teacher)
+    if p.critic is not None:
+        fill["values"] = partial(critic_values, p.critic.model)
+    batch = to_batch(kept, p.tokenizer.pad_token_id, s.generation.max_new_tokens, cost_label(p.algo))
+    batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
+    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
+    # taken when `fill` recomputed pi_old for every row).
+    batch = rescore_guided(batch, s.micro_batch_size, None if "old_logprobs" in fill else logprobs(p.engine.model))
+    # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
+    return restore(batch, n_fresh, picked)
+
+
+def policy_logprobs(model, temperature: float, packed: bool):
+    """fn(ids, attention, mask) -> `model`'s log-probs of the tokens at `temperature`."""
+    return lambda ids, attention, mask: token_logprobs(model, ids, attention, mask, temperature=temperature,
+                                                       packed=packed)

@@ -1,0 +1,166 @@
+"""The update half of an `rl` step: the forward passes a rollout needs, then mu epochs of optimizer steps.
+
+Every forward runs per micro-batch on ids cut to that micro-batch's longest sequence; outputs are
+widened back (zeros) to the rollout's width, where the response mask hides them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.train.models import token_logprobs
+from alignflow.core.rl.parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estimate, masked_mean
+from alignflow.flows.stages.rl.rollout import Batch
+from alignflow.flows.stages.rl.shard import Shard
+
+
+def chunks(rows: Tensor, size: int) -> list[Tensor]:
+    return [c for c in rows.split(size) if len(c)]
+
+
+def widen(x: Tensor, width: int) -> Tensor:
+    """[b, w] -> [b, width], zeros on the right."""
+    return F.pad(x, (0, width - x.shape[1]))
+
+
+def critic_values(critic, ids: Tensor, attention: Tensor, mask: Tensor) -> Tensor:
+    """V(s) before each response token: the value head on the previous position (its prefix).
+
+    `critic` is the critic engine's forward (a `ValueModel`): [B, T] values.
+    """
+    v = critic(ids, attention)
+    return F.pad(v[:, :-1], (1, 0)).float() * mask
+
+
+@torch.no_grad()
+def stitched(batch: Batch, micro: int, fn) -> Tensor:
+    """fn(ids, attention, mask) -> [b, w] over micro-batches, as one [B, T] tensor.
+
+    On several ranks each computes its share of the micro-batches and all of them get the whole tensor.
+    """
+    shard = Shard.current()
+    out = torch.zeros_like(batch.rollout.response_mask, dtype=torch.float32)
+    for rows in shard.mine(chunks(torch.arange(len(out), device=out.device), micro)):
+        ids, attention, mask = batch.view(rows)
+        out[rows, : ids.shape[1]] = fn(ids, attention, mask).float()
+    return shard.sum(out)
+
+
+def prepare(batch: Batch, micro: int, **fill) -> Batch:
+    """The batch with each named Rollout field set to fn(ids, attention, mask) over micro-batches."""
+    return replace(batch, rollout=replace(batch.rollout, **{k: stitched(batch, micro, fn) for k, fn in fill.items()}))
+
+
+def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tensor]:
+    """The rollout's rows in `n` minibatches of whole groups, groups in a seeded order."""
+    uniq, inverse = torch.unique(group, return_inverse=True)
+    order = torch.randperm(len(uniq), generator=generator).to(group.device)
+    return [torch.isin(inverse, part).nonzero().flatten() for part in order.tensor_split(n)]
+
+
+def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tensor | None, settings,
+           n_minibatches: int, temperature: float, generator: torch.Generator) -> dict[str, float]:
+    """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each.
+
+    On several ranks each takes its `Shard` of a minibatch's micro-batches; the step's loss is normalised
+    over all of them (`step_norm`), so the gradient is the one-process gradient.
+    """
+    r, s, shard = batch.rollout, settings, Shard.current()
+    inert = algo.inert_rows(r, advantages)
+    forward = partial(micro_step, engine, critic, algo, batch, advantages=advantages, returns=returns,
+                      temperature=temperature, packed=s.pack_sequences)
+    micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
+    step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
+    step_losses: list[float] = []  # this rank's share of each step's loss
+    entropy = torch.zeros(2, device=r.rewards.device)  # sum over response tokens, token count
+    for epoch in range(s.ppo_epochs):
+        for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
+            micro = chunks(minibatch, s.micro_batch_size)
+            norm = engine.step_norm([r.response_mask[m] for m in shard.mine(micro)], algo.norm_constant(r))
+            micro, weight = trained(micro, minibatch, inert, s.micro_batch_size)
+            step_loss = 0.0
+            for rows in shard.mine(micro):
+                metrics, ent = forward(rows, norm=norm, weight=weight, tis_cap=s.tis_cap,
+                                       measure=epoch == 0 and index == 0)
+                if epoch == 0:
+                    entropy += ent
+                step_loss += float(metrics.pop("actor/loss"))
+                for k, v in metrics.items():
+                    micro_metrics[k].append(float(v))
+            if shard.idle(micro):
+                forward(micro[0], norm=norm, weight=0.0)
+            step_losses.append(step_loss)
+            for k, v in engine.step().items():
+                step_metrics[f"actor/{k}"].append(v)
+            for k, v in (critic.step() if critic is not None else {}).items():
+                step_metrics[f"critic/{k}"].append(v)
+    micro_metrics, step_losses = shard.merge(micro_metrics, step_losses)
+    shard.sum(entropy)
+    out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
+    out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
+    out["actor/skipped_rows"] = 0.0 if inert is None else inert.float().mean().item()
+    return out
+
+
+def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: int) -> tuple[list[Tensor], float]:
+    """The micro-batches to forward and their loss weight: without the inert rows, which the normaliser still
+    counts; all inert: one micro-batch at weight 0, a zero gradient for the optimizer step."""
+    if inert is None:
+        return micro, 1.0
+    live = minibatch[~inert[minibatch]]
+    return (chunks(live, size), 1.0) if len(live) else (micro[:1], 0.0)
+
+
+def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
+               norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
+               measure: bool = False, packed: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+    """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
+    token count) of the rows. `tis_cap` weights each token's policy loss by min(pi_old / mu, cap) (mu the
+    sampler's probability); `measure` (the first minibatch, before any update) adds the gap between the
+    sampler's log-probs and the trainer's on the sampled tokens."""
+    r, width = batch.rollout, batch.rollout.response_mask.shape[1]
+    ids, attention, mask = batch.view(rows)
+    logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
+                                       return_entropy=True, packed=packed)
+    values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
+    view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
+    per_token, metrics = algo.loss(view)
+    if r.sampler_logprobs is not None:
+        sampled = r.sampler_logprobs[rows]
+        if measure:
+            metrics.update(mismatch_metrics(view.logprobs.detach(), sampled, view.response_mask))
+        if tis_cap is not None:
+            tis = torch.exp((view.old_logprobs - sampled).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+            per_token = per_token * tis.clamp(max=tis_cap).detach()
+            metrics["rollout/tis_capped_frac"] = masked_mean((tis > tis_cap).float(), view.response_mask)
+    loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
+    engine.backward(loss * weight)
+    metrics["actor/loss"] = loss.detach()
+    if critic is not None:
+        value_loss, value_metrics = algo.value_loss(view)
+        critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm) * weight)
+        metrics.update(value_metrics)
+    return metrics, torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+
+
+def mismatch_metrics(trainer: Tensor, sampler: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's on the same weights:
+    mean |difference| and the k3 estimate of KL(sampler || trainer)."""
+    return {"rollout/logprob_abs_diff": masked_mean((trainer - sampler).abs(), mask),
+            "rollout/kl_sampler_trainer": masked_mean(kl_estimate(sampler, trainer), mask)}
+
+
+def rollout_stats(rollout, advantages: Tensor) -> dict[str, float]:
+    """Advantage statistics and the KL of pi_old to the reference, over response tokens."""
+    mask = rollout.response_mask
+    out = {k: v.item() for k, v in advantage_metrics(advantages, mask).items()}
+    if rollout.ref_logprobs is not None:
+        out["actor/kl_ref_k3"] = masked_mean(kl_estimate(rollout.old_logprobs, rollout.ref_logprobs), mask).item()
+    return out

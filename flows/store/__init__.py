@@ -1,0 +1,1 @@
+"""Where artifacts live: a folder or a URL, with stage locks."""

@@ -1,0 +1,163 @@
+import json
+
+import pytest
+import torch
+
+from alignflow.core.train.datasets import (
+    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, split_steps, step_sequence, step_spans,
+    tokenize, truncate,
+)
+from alignflow.core.errors import DataError
+from alignflow.core.task.tokenizer import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _load(tmp_path, rows, schema, name="d.jsonl"):
+    return load_rows(_write(tmp_path / name, rows), schema, cache_dir=str(tmp_path / "cache"))
+
+
+GOOD = {"prompt": "1+2=", "completion": "<answer>3</answer>"}
+
+
+def test_missing_field_names_file_row_and_field(tmp_path):
+    with pytest.raises(DataError, match=r"d\.jsonl:2: field 'completion': missing"):
+        _load(tmp_path, [GOOD, {"prompt": "1+1="}], "sft")
+
+
+def test_wrong_type_reads_expected_and_got(tmp_path):
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2+2=", "answer": 4}]
+    with pytest.raises(DataError) as err:
+        _load(tmp_path, rows, "prompt_answer")
+    assert str(err.value) == f"{tmp_path / 'd.jsonl'}:2: field 'answer': expected str, got int"
+
+
+def test_invalid_json_line_at_row_3(tmp_path):
+    with pytest.raises(DataError, match=r"d\.jsonl:3: invalid JSON"):
+        _load(tmp_path, [GOOD, GOOD, '{"prompt": "1+2=", "completion": '], "sft")
+
+
+def test_blank_lines_keep_line_numbers(tmp_path):
+    with pytest.raises(DataError, match=r"d\.jsonl:4: field 'label': expected bool, got int"):
+        _load(tmp_path, [dict(GOOD, label=True), "", "", dict(GOOD, label=1)], "unpaired")
+
+
+def test_empty_file_is_an_error_naming_it(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: empty dataset"):
+        load_rows(tmp_path / "empty.jsonl", "sft")
+    with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
+        load_rows(tmp_path / "missing.jsonl", "sft")
+
+
+def test_row_checks_for_every_schema():
+    assert check_row({"prompt": "p", "chosen": "a", "rejected": "b"}, "pairwise") is None
+    assert check_row({"messages": [{"role": "user", "content": "hi"}]}, "sft") is None
+    assert "item 0: expected {role: str, content: str}" in check_row({"messages": [{"role": "user"}]}, "sft")
+    steps = {"prompt": "p", "steps": ["a", "b"], "step_labels": [1, True]}
+    assert check_row(steps, "steps") is None
+    assert check_row(dict(steps, steps=["a", 2]), "steps") == "field 'steps': item 1: expected str, got int"
+    assert check_row(dict(steps, step_labels=[1]), "steps") == "field 'step_labels': 1 labels for 2 steps"
+    assert check_row(dict(steps, step_labels="11"), "steps").endswith("expected list[int|bool|float], got str")
+    assert check_row(dict(steps, step_labels=[0.25, 1]), "steps") is None  # Math-Shepherd's soft labels
+    assert check_row(dict(steps, step_labels=[1, 2]), "steps") == \
+        "field 'step_labels': item 1: expected a label in [0, 1], got 2"
+    assert check_row(["a"], "sft") == "expected a JSON object, got list"
+    assert check_row({"prompt": None, "answer": "1"}, "prompt_answer").endswith("got null")
+
+
+def test_parquet_rows_are_validated(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": None}]).to_parquet(
+        tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d\.parquet:2: field 'answer': expected str, got null"):
+        load_rows(tmp_path / "d.parquet", "prompt_answer", cache_dir=str(tmp_path / "cache"))
+
+
+def test_prompt_masking_puts_ignore_exactly_on_prompt_tokens(tmp_path, tok):
+    ds = _load(tmp_path, [GOOD, {"prompt": "12*3=", "completion": "36"}], "sft")
+    out, stats = tokenize(ds, tok, max_length=64)
+    assert stats == {"rows": 2, "truncated": 0, "dropped": 0}
+    row = out[1]
+    assert row["input_ids"] == tok("12*3=36").input_ids + [tok.eos_token_id]
+    assert row["labels"] == [IGNORE_INDEX] * 5 + row["input_ids"][5:]
+    # The tag tokens count as one each: 4 prompt chars, then <answer> 3 </answer> EOS.
+    assert out[0]["labels"][:4] == [IGNORE_INDEX] * 4 and len(out[0]["labels"]) == 8
+
+
+def test_chat_rows_mask_everything_but_the_last_assistant_turn(tmp_path, tok):
+    convo = [{"role": "system", "content": "S"}, {"role": "user", "content": "1+2="},
+             {"role": "assistant", "content": "3"}]
+    assert split_messages(tok, convo) == ("S\n1+2=", "3</s>")
+    out, _ = tokenize(_load(tmp_path, [{"messages": convo}], "sft"), tok, max_length=64)
+    labels = out[0]["labels"]
+    assert labels.count(IGNORE_INDEX) == 6 and labels[6:] == [tok.convert_tokens_to_ids("3"), tok.eos_token_id]
+
+
+def test_truncation_counts_and_policy(tmp_path, tok):
+    rows = [{"prompt": "1+2=", "completion": "3"},  # 4 + 2 tokens: fits
+            {"prompt": "12+34=", "completion": "46464646"},  # 6 + 9: completion cut
+            {"prompt": "1234567+1=", "completion": "8"}]  # 10-token prompt: dropped
+    out, stats = tokenize(_load(tmp_path, rows, "sft"), tok, max_length=10)
+    assert stats == {"rows": 3, "truncated": 1, "dropped": 1}
+    assert len(out) == 2 and [len(r) for r in out["input_ids"]] == [6, 10]
+    assert tok.eos_token_id not in out[1]["input_ids"]  # a cut completion must not learn to stop
+    assert truncate([1, 2], [3, 4, 5], 4) == ([1, 2, 3, 4], [IGNORE_INDEX] * 2 + [3, 4], 1)
+
+
+def test_tokenize_is_cached_by_fingerprint(tmp_path, tok):
+    ds = _load(tmp_path, [GOOD] * 3, "sft")
+    a, _ = tokenize(ds, tok, max_length=32)
+    b, _ = tokenize(ds, tok, max_length=32)
+    c, _ = tokenize(ds, tok, max_length=16)
+    assert a._fingerprint == b._fingerprint != c._fingerprint
+    assert a.cache_files and a.cache_files == b.cache_files
+
+
+def test_pairwise_unpaired_and_steps(tmp_path, tok):
+    pairs = _load(tmp_path, [{"prompt": "1+2=", "chosen": "3", "rejected": "45"}], "pairwise", "p.jsonl")
+    row = tokenize(pairs, tok, 64, "pairwise")[0][0]
+    assert row["chosen_labels"] == [IGNORE_INDEX] * 4 + row["chosen_input_ids"][4:]
+    assert len(row["rejected_input_ids"]) == 7
+    unpaired = _load(tmp_path, [dict(GOOD, label=False)], "unpaired", "u.jsonl")
+    assert tokenize(unpaired, tok, 64, "unpaired")[0][0]["label"] is False
+    steps = _load(tmp_path, [{"prompt": "9+5=", "steps": ["9+5=14", "0+0=1"], "step_labels": [True, False]}],
+                  "steps", "s.jsonl")
+    row = tokenize(steps, tok, 64, "steps", step_separator=" ")[0][0]
+    assert tok.decode(row["input_ids"]) == "9+5=9+5=14 0+0=1 "
+    assert [(i, v) for i, v in enumerate(row["labels"]) if v != IGNORE_INDEX] == [(10, 1), (16, 0)]
+
+
+def test_split_steps_and_step_sequence(tok):
+    assert split_steps("<think>1+2=3 4+5=9</think>", " ") == ["<think>1+2=3", "4+5=9</think>"]
+    assert split_steps("a\n\nb\n", "\n") == ["a", "b"]  # empty steps dropped
+    assert split_steps("", "\n") == []
+    # where each step ends in the completion, for mapping step scores to tokens
+    assert step_spans("ab\n\ncd\ne", "\n") == [("ab", 2), ("cd", 6), ("e", 8)]
+    ids, ends = step_sequence([7, 8], [[1, 2, 3], [4, 5]])
+    assert ids == [7, 8, 1, 2, 3, 4, 5] and ends == [4, 6]
+
+
+def test_collate_pads_to_longest_in_micro_batch_only(tok):
+    rows = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7], "label": True},
+            {"input_ids": [8], "labels": [8], "label": False}]
+    right = collate(rows, pad_token_id=0)
+    assert right["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert right["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
+    assert right["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert right["label"].tolist() == [True, False]
+    left = collate(rows, pad_token_id=0, padding_side="left")
+    assert left["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert left["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    pairs = collate([{"chosen_input_ids": [1, 2], "prompt": "a"}], pad_token_id=0)
+    assert pairs["chosen_attention_mask"].tolist() == [[1, 1]] and pairs["prompt"] == ["a"]
+    assert pad([[1], [1, 2]], 9).shape == torch.Size([2, 2])

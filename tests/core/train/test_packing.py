@@ -1,0 +1,110 @@
+"""Packed forwards where rows share their prompt (a GRPO group): one copy of the prompt, the padded batch's numbers."""
+
+import pytest
+import torch
+
+from alignflow.core.train import packing
+from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
+from alignflow.core.train.packing import layout, masks_work
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    return tiny_model()
+
+
+class NoMasks(torch.nn.Module):
+    """`model` with its attention mask dropped: every token sees all before it, the probe's failure case."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config = model, model.config
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        return self.inner(input_ids, **kw)
+
+
+def group_batch(tok, side):
+    """Two prompts with three and two completions, one prompt alone, padded on `side`; labels on completions."""
+    pairs = [("12+7=", "19</s>"), ("12+7=", "91"), ("12+7=", "1+9=10</s>"), ("3*4=", "12</s>"), ("3*4=", "7"),
+             ("12+8=", "20")]  # "12+8=" starts like "12+7=" but is another prompt
+    tok.padding_side = side
+    enc = tok([p + c for p, c in pairs], return_tensors="pt", padding=True)
+    labels = torch.zeros_like(enc.input_ids)
+    for row, (p, c) in enumerate(pairs):
+        n_p, n = len(tok(p).input_ids), int(enc.attention_mask[row].sum())
+        start = int(enc.attention_mask[row].argmax())
+        labels[row, start + n_p: start + n] = 1
+    return enc.input_ids, enc.attention_mask, labels
+
+
+def test_rows_with_one_prompt_share_one_copy(tiny):
+    tok = load_tokenizer(tiny)
+    ids, attn, labels = group_batch(tok, "right")
+    prompts = [len(tok(p).input_ids) for p in ["12+7="] * 3 + ["3*4="] * 2 + ["12+8="]]
+    lay = layout(ids, attn, prompts)
+    # 5 + (3 + 2 + 7) tokens, 4 + (3 + 1), and the lone "12+8=20" (7): 31 tokens, not the 45 real ones
+    assert len(lay.target) == int(attn.sum()) - 2 * 5 - 1 * 4
+    # every row's prompt tokens point at the same packed copy
+    at = lay.at.view(ids.shape)
+    assert at[0, :5].tolist() == at[1, :5].tolist() == at[2, :5].tolist()
+    assert at[3, :4].tolist() == at[4, :4].tolist() != at[5, :4].tolist()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_shared_prompt_logprobs_entropy_and_gradients_equal_padded(tiny, side, monkeypatch):
+    model = load_model(tiny)
+    tok = load_tokenizer(tiny)
+    ids, attn, labels = group_batch(tok, side)
+    assert masks_work(model)
+    layouts = []
+    real = packing.layout
+    monkeypatch.setattr(packing, "layout", lambda *a: layouts.append(real(*a)) or layouts[-1])
+
+    def run(packed):
+        model.zero_grad()
+        lp, ent = token_logprobs(model, ids, attn, labels, temperature=0.7, return_entropy=True, packed=packed)
+        (lp * torch.arange(1, lp.shape[1] + 1)).sum().add(ent.sum()).backward()  # weights differ by token
+        return lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (lp, ent, grads), (plp, pent, pgrads) = run(False), run(True)
+    # the packed forward really shared: each row's prompt found, and 2 * 5 + 1 * 4 prompt tokens not repeated
+    assert len(layouts) == 1 and len(layouts[0].target) == int(attn.sum()) - 2 * 5 - 1 * 4
+    assert ((lp != 0) == labels.bool()).all()
+    torch.testing.assert_close(plp, lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(pent, ent, atol=1e-5, rtol=0)
+    for g, pg in zip(grads, pgrads):
+        torch.testing.assert_close(pg, g, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_that_ignores_4d_masks_packs_without_sharing(tiny, monkeypatch):
+    """Were the mask ignored, a completion would see its siblings: the probe fails and each row keeps its own
+    prompt copy (position-id packing), with the same values."""
+    model = load_model(tiny)
+
+    wrapped = NoMasks(model)
+    assert not masks_work(wrapped) and packing.packing_works(wrapped)
+    seen = []
+    real = packing.layout
+    monkeypatch.setattr(packing, "layout", lambda *a: seen.append(a[2]) or real(*a))
+    ids, attn, labels = group_batch(load_tokenizer(tiny), "right")
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(wrapped, ids, attn, labels, packed=True),
+                                   token_logprobs(model, ids, attn, labels), atol=1e-5, rtol=0)
+    assert seen == [None]
+
+
+def test_probes_pass_a_bf16_model_and_still_catch_an_ignored_mask(tiny, monkeypatch):
+    """bf16 logits of packed and apart forwards differ by rounding (8 mantissa bits), which a 1e-3 tolerance
+    took for a model that cannot pack: a bf16 stage then fell back to padded batches. The tolerance follows
+    the dtype, and a mask that is really ignored still fails in bf16."""
+    model = load_model(tiny).to(torch.bfloat16)
+    monkeypatch.setattr(packing, "_PACKING", {})
+    monkeypatch.setattr(packing, "_MASKS", {})
+    assert packing.packing_works(model) and masks_work(model)
+
+    assert not masks_work(NoMasks(model))
