@@ -40,11 +40,24 @@ from alignflow.flows.stages import StageContext, StageResult
 _OWN_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when a line is written (a redirect, a test's capture), not on the
+    stream that was current when logging was configured, which may be closed since."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def configure_logging() -> None:
     """alignflow's own INFO lines (progress off a terminal, resumes) go to stderr; other libraries keep theirs."""
     logger = logging.getLogger("alignflow")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s | %(name)s | %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

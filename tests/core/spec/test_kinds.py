@@ -47,14 +47,13 @@ def test_records_are_consistent():
 
 
 def test_derived_tables_follow_the_records():
-    from alignflow.flows.launch import execute
     from alignflow.flows.stages import OUTPUT_OF_INPUT
 
     assert kinds.TRAINING_KINDS == ("sft", "reward_model", "prm", "preference", "rl")
     assert set(kinds.VALUE_HEAD_KINDS) == {"reward_model", "prm"}
-    assert execute.THREAD_SAFE_KINDS == {"select"}
-    assert execute.RANK_DEPENDENT_KINDS == {"rl"}
-    assert execute.DATA_PARALLEL_KINDS == set(KINDS) - {"select", "critique_revise"}
+    assert kinds.THREAD_SAFE_KINDS == {"select"}
+    assert kinds.RANK_DEPENDENT_KINDS == {"rl"}
+    assert kinds.DATA_PARALLEL_KINDS == set(KINDS) - {"select", "critique_revise"}
     assert OUTPUT_OF_INPUT["teacher"] == "model" and OUTPUT_OF_INPUT["eval_dataset"] == "dataset"
     assert "constitution" not in OUTPUT_OF_INPUT  # a file, never a stage's output
     assert kinds.settings_model("rl").__name__ == "RLSettings"
