@@ -1,6 +1,7 @@
 """Every ```python block of README.md, CONTRIBUTING.md and docs/ runs, each as a fresh module.
 
-A block whose first line is `# docs: no-run` is skipped: only for code that needs a GPU or the network.
+A block whose first line starts with `# docs: no-run` is skipped: only for code that needs a GPU or the network, or
+that trains models which a named test already runs.
 The blocks of docs/concepts/contracts.md are also checked in depth by test_contracts_doc.py.
 """
 
@@ -28,7 +29,7 @@ BLOCKS = list(python_blocks())
 @pytest.mark.parametrize("page, block", BLOCKS)
 def test_python_block_runs(page, block, monkeypatch):
     if block.startswith(NO_RUN):
-        pytest.skip("needs a GPU or the network")
+        pytest.skip(block.splitlines()[0])
     name = f"docs_block_{abs(hash((str(page), block)))}"
     module = types.ModuleType(name)
     monkeypatch.setitem(sys.modules, name, module)  # pydantic, dataclasses and plugins resolve through it
