@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import alignflow.flows.stages.preference as preference
+import alignflow.flows.stages.rl.setup as rl_setup
 import alignflow.flows.stages.rl.stage as rl
 from alignflow.core import hookimpl
 from alignflow.core.train.adapters import AdaptersOff
@@ -65,7 +66,7 @@ def no_frozen_copy(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a frozen reference copy was built")
     monkeypatch.setattr(preference, "frozen", refuse)
-    monkeypatch.setattr(rl, "frozen", refuse)
+    monkeypatch.setattr(rl_setup, "frozen", refuse)
 
 
 def context(tmp_path, kind, spec: dict, settings, log=None) -> StageContext:
