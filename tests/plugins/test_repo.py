@@ -11,7 +11,6 @@ from pydantic import ValidationError
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.errors import AlignflowError
 from alignflow.core.train.models import load_model
-from alignflow.core.plugins import get_plugins
 from alignflow.core.rl.algorithm import Rollout, cost_reward_problem
 from alignflow.core.spec.settings import RLSettings
 from alignflow.core.spec.schema import RewardRef, StageSpec
@@ -20,6 +19,7 @@ from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.flows.stages.rl.rollout import Samples, to_batch
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.repo import RePO, RePOConfig
+from helpers.plugins import registered
 
 MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
 
@@ -180,10 +180,8 @@ class CostRewards:
 
 @pytest.fixture(scope="module")
 def plugins():
-    p = get_plugins()
-    p.add(CostRewards, "test_repo")
-    yield p
-    p.remove("test_repo")
+    with registered(CostRewards, "test_repo") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

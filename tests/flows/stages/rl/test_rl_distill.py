@@ -7,12 +7,12 @@ import torch
 
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.train.models import load_model, load_tokenizer
-from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.settings import RLSettings
 from alignflow.core.spec.schema import StageSpec, parse_spec
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.plugins.distill import Distill
+from helpers.plugins import registered
 
 SEEN = []  # (old_logprobs, teacher_logprobs, advantages, response_mask) of every micro-batch the loss got
 
@@ -32,10 +32,8 @@ class TestAlgorithms:  # a test-only name: the built-in `distill` is registered 
 
 @pytest.fixture(scope="module")
 def plugins():
-    p = get_plugins()
-    p.add(TestAlgorithms, "test_rl_distill")
-    yield p
-    p.remove("test_rl_distill")
+    with registered(TestAlgorithms, "test_rl_distill") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

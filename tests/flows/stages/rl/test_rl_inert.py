@@ -8,7 +8,6 @@ import torch
 
 from alignflow.core import hookimpl
 from alignflow.core.train.models import load_model
-from alignflow.core.plugins import get_plugins
 from alignflow.core.rl.algorithm import PolicyGradient, Rollout
 from alignflow.core.spec.settings import RLSettings
 from alignflow.core.spec.schema import StageSpec
@@ -17,6 +16,7 @@ from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.plugins.expo import ExPO
 from alignflow.plugins.grpo import GRPO
 from alignflow.plugins.ppo import PPO
+from helpers.plugins import registered
 
 
 def first_even(prompts, completions, completion_ids, answer, **columns):
@@ -34,10 +34,8 @@ class Rewards:
 
 @pytest.fixture(scope="module")
 def plugins():
-    p = get_plugins()
-    p.add(Rewards, "test_rl_inert")
-    yield p
-    p.remove("test_rl_inert")
+    with registered(Rewards, "test_rl_inert") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.flows.stages.rl.rollout import Samples, to_batch
 from alignflow.flows.stages.rl.update import minibatches
+from helpers.plugins import registered
 
 ASCII = 128  # the tiny tokenizer's ids below 128 are ASCII bytes: about half its vocabulary
 
@@ -44,10 +45,8 @@ class TestRewards:
 
 @pytest.fixture(scope="module")
 def plugins():
-    p = get_plugins()
-    p.add(TestRewards, "test_rl_stage")
-    yield p
-    p.remove("test_rl_stage")
+    with registered(TestRewards, "test_rl_stage") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
