@@ -231,7 +231,7 @@ def test_process_supervised_grpo_needs_a_reward_that_scores_steps(tmp_path, plug
         run_rl(ctx)
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "alignflow-plugin-example"
+EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "alignflow-plugin-example"
 
 
 @pytest.mark.system
