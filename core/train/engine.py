@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # choose DeepSpeed's CPU accelerator before i
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from alignflow.core.train import checkpoint  # noqa: E402
+from alignflow.core.train import checkpoint, own_group  # noqa: E402
 from alignflow.core.rl.aggregation import StepNorm  # noqa: E402
 from alignflow.core.errors import AlignflowError  # noqa: E402
 from alignflow.core.spec.settings import TrainSettings  # noqa: E402
@@ -57,24 +57,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_own_group = False  # this process set torch's launcher variables itself (flows/launch/child.py asks)
-
-
-def formed_own_group() -> bool:
-    """Whether `init_distributed` formed a one-process group here (so RANK etc. are not a launcher's)."""
-    return _own_group
-
-
 def init_distributed() -> None:
     """Join the launcher's process group, or form a one-process group when run without a launcher."""
-    global _own_group
     if dist.is_initialized():
         return
+    own_group.drop()  # variables a parent set for its own group are not a launcher's
     if "RANK" not in os.environ:
-        # torch.distributed's env:// rendezvous reads these (this process is its own launcher)
+        # torch.distributed's env:// rendezvous reads these (this process is its own launcher); the mark tells
+        # the processes started from here that they are not a launcher's (core/train/own_group.py)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0")
-        _own_group = True
+                          LOCAL_RANK="0", **{own_group.MARK: "1"})
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # the launcher's (or ours, above)
     else:

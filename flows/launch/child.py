@@ -34,10 +34,10 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.plugins import entry_point_names, get_plugins
 from alignflow.core.spec.kinds import settings_model
 from alignflow.core.spec.schema import StageSpec
+from alignflow.core.train import own_group
 from alignflow.flows.stages import StageContext, StageResult
 
 # Variables `core.engine.init_distributed` sets for torch when it forms a one-process group itself.
-_OWN_GROUP_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class _Stderr(logging.StreamHandler):
@@ -62,13 +62,6 @@ def configure_logging() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-
-
-def _own_group() -> bool:
-    """Whether this process formed its own one-process group (core/train/engine.py), so its RANK etc. are not a
-    launcher's. Without the engine loaded, no group was formed here."""
-    engine = sys.modules.get("alignflow.core.train.engine")
-    return engine is not None and engine.formed_own_group()
 
 
 class ChildFailed(AlignflowError):
@@ -115,7 +108,7 @@ def plugin_recipe(plugins) -> list[tuple[str, str, str, str]] | None:
 
 def can_run_in_child(plugins) -> bool:
     """Not under a multi-process launcher (a child would leave its group), and plugins rebuildable."""
-    launched = "RANK" in os.environ and not _own_group()
+    launched = "RANK" in os.environ and not own_group.marked()
     return not launched and plugin_recipe(plugins) is not None
 
 
@@ -127,7 +120,6 @@ def stage_payload(kind: str, ctx: StageContext, threads: int, world: int = 1) ->
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
         "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(), "world": world,
-        "own_group": _own_group(),  # the RANK etc. a child inherits are this process's group's, not its own
     }
 
 
@@ -193,9 +185,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
     """The one-process child: run the stage, report metrics and the result or the error."""
     try:
         _exit_with_parent(payload["parent"])
-        if payload["own_group"]:  # the parent's one-process group is not ours: torch would join it
-            for var in _OWN_GROUP_VARS:
-                os.environ.pop(var, None)
+        own_group.drop()  # the parent's one-process group is not ours: torch would join it
         out.put(("result", 0, *_run_stage(payload, out, 0)))
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
         out.put(("error", 0, *_portable(exc)))
@@ -203,6 +193,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
 
 def rank_main(payload: dict, out: multiprocessing.Queue) -> None:
     """One rank, started by torch's elastic launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT are its)."""
+    own_group.unmark()  # inherited from a parent with its own group: RANK etc. are the launcher's here
     rank = int(os.environ["RANK"])
     out.put(("started", rank, os.getpid()))
     try:

@@ -64,8 +64,6 @@ def _node(project: Path, rank: int, port: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL", NPROC_ENV, NNODES_ENV, NODE_RANK_ENV, RDZV_ENDPOINT_ENV):
         env.pop(var, None)  # node 0 starts its own temporary Prefect server and MLflow file, as a user's run does
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)  # left here by an earlier in-process test's own one-process group: not a launcher's
     log = (project / f"node{rank}.log").open("w")  # a file, not a pipe that fills while nobody reads it
     return subprocess.Popen(command, cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT)
 
