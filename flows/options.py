@@ -29,9 +29,7 @@ LOCKINGS = ("lease", "none")
 
 def stage_count(text: str, where: str, what: str = "stages") -> int:
     """A number of stages (or `what`), at least 1, from `text`; else a SpecError naming `where`."""
-    if not text.isdigit() or int(text) < 1:
-        raise SpecError(f"{where}={text!r}: expected a whole number of {what}, at least 1")
-    return int(text)
+    return _whole(text, where, 1, f" of {what}")
 
 
 @dataclass(frozen=True)
@@ -73,9 +71,9 @@ def parse_nodes(nnodes: str | None, node_rank: str | None, endpoint: str | None,
     return Nodes(count, rank, host, int(port))
 
 
-def _whole(text: str, name: str, least: int) -> int:
+def _whole(text: str, name: str, least: int, of: str = "") -> int:
     if not text.isdigit() or int(text) < least:
-        raise SpecError(f"{name}={text!r}: expected a whole number, at least {least}")
+        raise SpecError(f"{name}={text!r}: expected a whole number{of}, at least {least}")
     return int(text)
 
 

@@ -16,6 +16,7 @@ The same members on a plain `RLAlgorithm` subclass still work for one release (s
 from __future__ import annotations
 
 import warnings
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,10 +120,12 @@ for _capability in CAPABILITIES:  # the same functions and defaults, so old and 
 _warned: set[tuple[type, str]] = set()
 
 
-def _legacy_overrides(cls: type, capability: type) -> list[str]:
-    """The members of `capability` that `cls` overrides on top of `LegacyMembers` (pre-capability code)."""
+@lru_cache(maxsize=None)
+def _legacy_overrides(cls: type, capability: type) -> tuple[str, ...]:
+    """The members of `capability` that `cls` overrides on top of `LegacyMembers` (pre-capability code); a
+    class's answer never changes, and the rl stage asks every step."""
     owners = {name: next((c for c in cls.__mro__ if name in vars(c)), None) for name in members(capability)}
-    return [name for name, owner in owners.items() if owner not in (None, LegacyMembers)]
+    return tuple(name for name, owner in owners.items() if owner not in (None, LegacyMembers))
 
 
 def has(algo: "RLAlgorithm", capability: type) -> bool:
