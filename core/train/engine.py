@@ -66,7 +66,8 @@ def init_distributed() -> None:
         # torch.distributed's env:// rendezvous reads these (this process is its own launcher); the mark tells
         # the processes started from here that they are not a launcher's (core/train/own_group.py)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", **{own_group.MARK: "1"})
+                          LOCAL_RANK="0")
+        own_group.mark()
     if torch.cuda.is_available():  # one GPU per rank, before NCCL picks device 0 for every rank
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # the launcher's (or ours, above)
     else:

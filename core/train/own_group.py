@@ -2,8 +2,10 @@
 
 Without a launcher the engine forms a one-process group through torch's env:// rendezvous, which reads
 RANK, WORLD_SIZE, MASTER_ADDR/PORT and LOCAL_RANK from the environment; it sets them, and `MARK` beside
-them. Every process started from it inherits all of them (a stage's child, a subprocess running
-`alignflow run`), so the mark is what says "not a launcher's": such a process drops them and forms its own.
+them naming the values it set. Every process started from it inherits all of them (a stage's child, a
+subprocess running `alignflow run`): where the mark still names the current values they are an own
+group's, which such a process drops to form its own; a launcher started from it gives its workers other
+values (address, world size or rank), whose variables are then the launcher's.
 """
 
 import os
@@ -12,18 +14,25 @@ MARK = "ALIGNFLOW_OWN_PROCESS_GROUP"
 VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
+def _values() -> str:
+    """What the mark vouches for: a launcher's workers differ in one of them."""
+    return ",".join(f"{var}={os.environ.get(var)}" for var in VARIABLES)
+
+
+def mark() -> None:
+    """Say that the launcher variables now set are this process's own group's."""
+    os.environ[MARK] = _values()
+
+
 def marked() -> bool:
     """Whether the launcher variables here are a one-process group's that this process or a parent formed."""
-    return MARK in os.environ
+    return MARK in os.environ and os.environ[MARK] == _values()
 
 
 def drop() -> None:
-    """Forget an own group's variables (inherited from a parent): the next group formed here is this process's."""
-    if os.environ.pop(MARK, None) is not None:
+    """Forget an own group's variables (inherited from a parent), so the next group formed here is this
+    process's; a launcher's variables stay, and only a stale mark goes."""
+    if marked():
         for var in VARIABLES:
             os.environ.pop(var, None)
-
-
-def unmark() -> None:
-    """A launcher's worker: its RANK etc. are the launcher's, whatever mark it inherited from its parent."""
     os.environ.pop(MARK, None)

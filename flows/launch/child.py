@@ -193,7 +193,7 @@ def _child_main(payload: dict, out: multiprocessing.Queue) -> None:
 
 def rank_main(payload: dict, out: multiprocessing.Queue) -> None:
     """One rank, started by torch's elastic launcher (RANK, WORLD_SIZE, MASTER_ADDR/PORT are its)."""
-    own_group.unmark()  # inherited from a parent with its own group: RANK etc. are the launcher's here
+    own_group.drop()  # a mark inherited from a parent with its own group: RANK etc. are the launcher's here
     rank = int(os.environ["RANK"])
     out.put(("started", rank, os.getpid()))
     try:

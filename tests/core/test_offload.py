@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-import engine_worker as worker
+from helpers import engine_worker as worker
 from alignflow.core.rl.aggregation import aggregate
 from alignflow.core.train.engine import Engine, ds_config, frozen
 from alignflow.core.errors import SpecError

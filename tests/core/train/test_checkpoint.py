@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import engine_worker as worker
+from helpers import engine_worker as worker
 from alignflow.core.train import checkpoint
 from alignflow.core.train.checkpoint import MARKER, CheckpointError
 from alignflow.core.train.engine import Engine

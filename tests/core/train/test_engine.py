@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-import engine_worker as worker
+from helpers import engine_worker as worker
 from alignflow.core.rl.aggregation import MODES, StepNorm, aggregate
 from alignflow.core.train.engine import Engine, frozen, lr_lambda
 from alignflow.core.errors import AlignflowError

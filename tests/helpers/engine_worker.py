@@ -1,6 +1,6 @@
 """A tiny training run through `Engine`, run as a script by the multi-process and kill/resume tests.
 
-    python engine_worker.py OUT_DIR --steps 6 [--zero 2] [--kill-after 3] [--grads] [--then OUT_DIR2 ...]
+    python tests/helpers/engine_worker.py OUT_DIR --steps 6 [--zero 2] [--kill-after 3] [--grads] [--then OUT_DIR2 ...]
 
 Rank and world come from RANK/WORLD_SIZE/MASTER_* (a one-process group when unset). Rank 0 writes
 `result.pt`: the final weights, the step losses and (with --grads) the
