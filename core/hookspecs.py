@@ -24,3 +24,8 @@ def register_samplers(register):
 @hookspec
 def register_selectors(register):
     """register(name, SelectorClass)"""
+
+
+@hookspec
+def register_environments(register):
+    """register(name, EnvironmentClass): a subclass of alignflow.core.environments.Environment"""

@@ -18,11 +18,12 @@ KINDS = {  # hook name -> registry kind
     "register_rewards": "reward",
     "register_samplers": "sampler",
     "register_selectors": "selector",
+    "register_environments": "environment",
 }
 
 
 class Plugins:
-    """The loaded plugins: a pluggy manager plus `algorithms`, `rewards`, `samplers`, `selectors`."""
+    """The loaded plugins: a pluggy manager plus `algorithms`, `rewards`, `samplers`, `selectors`, `environments`."""
 
     def __init__(self):
         self.pm = pluggy.PluginManager(GROUP)
@@ -45,6 +46,10 @@ class Plugins:
     @property
     def selectors(self) -> Registry:
         return self.registries["selector"]
+
+    @property
+    def environments(self) -> Registry:
+        return self.registries["environment"]
 
     def add(self, plugin, name: str, distribution: str = "__main__", version: str = "0") -> None:
         """Register one plugin object (a module or class with hookimpls) and collect what it registers."""

@@ -35,7 +35,7 @@ class Entry:
 
 
 class Registry:
-    """Named plugins of one kind ("algorithm", "reward", "sampler", "selector")."""
+    """Named plugins of one kind ("algorithm", "reward", "sampler", "selector", "environment")."""
 
     def __init__(self, kind: str):
         self.kind = kind

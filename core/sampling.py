@@ -17,6 +17,12 @@ class Generation:
     truncated: list[bool]  # hit max_new_tokens before a stop token
     logprobs: list[list[float]] | None = None  # sampling log-probs per generated token, when known
     timings: dict[str, float] = field(default_factory=dict)
+    # Multi-turn episodes (core/environments): each row's own prompt ids (what the environment started it
+    # with), 1 on the model's tokens of the completion and 0 on the environment's, and per-episode records
+    # (reward, turns, tool_calls, tool_errors, ended). None for single-turn completions.
+    prompt_ids: list[list[int]] | None = None
+    loss_mask: list[list[int]] | None = None
+    episodes: dict[str, list] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -33,9 +39,16 @@ class Generation:
         for _, g in parts:
             for k, v in g.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
+        def joined(name):
+            return None if any(getattr(g, name) is None for _, g in parts) else [
+                x for _, g in parts for x in getattr(g, name)]
+
+        episodes = None if not parts or any(g.episodes is None for _, g in parts) else {
+            k: [x for _, g in parts for x in g.episodes[k]] for k in parts[0][1].episodes}
         return cls([lo + i for lo, g in parts for i in g.prompt_index],
                    [c for _, g in parts for c in g.completion_ids], [t for _, g in parts for t in g.texts],
-                   [t for _, g in parts for t in g.truncated], logprobs, timings)
+                   [t for _, g in parts for t in g.truncated], logprobs, timings,
+                   joined("prompt_ids"), joined("loss_mask"), episodes)
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ PRIORITY = 6_700_417  # separates the prioritised prompt draws from the other st
 EPOCH = 100_003  # spreads the epochs of a seeded walk over the rows
 PHASE = 1_000_003  # critique and revision calls draw other numbers than the answers they follow
 ROLLOUT = 1_000_003  # step-label rollouts draw other numbers than the solutions they complete
+TURN = 7_927  # separates the sampler calls of an episode's turns
+EPISODE = 104_723  # separates environment seeds from sampling seeds
 
 
 def generator(seed: int) -> torch.Generator:
@@ -69,6 +71,17 @@ def minibatches(seed: int, step: int) -> int:
 def chunk(seed: int, first: int) -> int:
     """The sampling seed of a sampler call whose first prompt is at place `first` of the call's rows."""
     return seed + first
+
+
+def turn(seed: int, turn_: int) -> int:
+    """The sampling seed of turn `turn_` of a batch of episodes whose call seed is `seed` (turn 0 keeps it)."""
+    return seed + turn_ * TURN
+
+
+def episode(seed: int, row: int) -> int:
+    """The seed an environment starts the episodes of row `row` of a call with: one per row, so the group of
+    episodes of one prompt starts alike."""
+    return seed * EPISODE + row
 
 
 def critique(seed: int, call: int) -> int:

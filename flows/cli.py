@@ -116,7 +116,7 @@ def dag_tree(spec, source: str) -> Tree:
                                             f"{'s' if loop.repeat > 1 else ''} over {', '.join(loop.stages)}")
             parent = parents.get((of.loop, of.round)) or parents[of.loop].add(f"round {of.round}")
             parents[(of.loop, of.round)] = parent
-        plugins = [p.name for p in [stage.algorithm, stage.sampler] if p is not None]
+        plugins = [p.name for p in [stage.algorithm, stage.sampler, stage.environment] if p is not None]
         plugins += [r.name for r in stage.rewards] + [s.name for s in stage.selectors]
         pool = spec.pool_of(name)  # runs on a worker of that Prefect work pool (flows/launch/pools.py)
         node = parent.add(f"[cyan]{name}[/cyan] [dim]{stage.kind}[/dim] {' '.join(plugins)}"
@@ -203,13 +203,39 @@ def cmd_run(args) -> int:
 
 
 def cmd_data(args) -> int:
-    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged)."""
+    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged), or write a
+    reasoning-gym task's rows (`data reasoning-gym TASK`)."""
+    if args.source == "reasoning-gym":
+        return _reasoning_gym_data(args)
     if (Path.cwd() / DATA_DIR).is_dir() and not args.force:
         console.print(f"{DATA_DIR}/ exists; pass --force to rewrite it")
         return 0
     for name, path in regenerate_data(Path.cwd()).items():
         console.print(f"{name}: {path}")
     return 0
+
+
+def _reasoning_gym_data(args) -> int:
+    """`size` rows of a reasoning-gym task from a seed, as JSONL (the same command writes the same bytes)."""
+    from alignflow.core.task.arithmetic import write_jsonl
+    from alignflow.plugins.reasoning_gym import task_rows
+
+    config = dict(_key_value(item) for item in args.config)
+    out = Path(args.out or f"{DATA_DIR}-reasoning-gym/{args.task}-seed{args.seed}-{args.size}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out, task_rows(args.task, args.size, args.seed, config))
+    console.print(f"{args.task}: {args.size} rows (seed {args.seed}) -> {out}")
+    return 0
+
+
+def _key_value(item: str) -> tuple[str, object]:
+    """`key=value` with a YAML value (`min_terms=3` gives an int)."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise AlignflowError(f"--config {item!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
 
 
 def cmd_reproduce(args) -> int:
@@ -248,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help=cmd_plugins.__doc__)
     p.add_argument("action", nargs="?", choices=["show"], help="show NAME: one plugin's config fields")
     p.add_argument("name", nargs="?", help="the plugin to show")
-    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector"], help="when names collide")
+    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"],
+                   help="when names collide")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
 
@@ -287,7 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", help=cmd_data.__doc__)
     p.add_argument("--force", action="store_true", help="rewrite data/ even when it exists")
-    p.set_defaults(func=cmd_data)
+    p.set_defaults(func=cmd_data, source=None)
+    sources = p.add_subparsers(dest="source")
+    q = sources.add_parser("reasoning-gym", help="rows of a reasoning-gym task, generated from a seed")
+    q.add_argument("task", help="the task's name, e.g. chain_sum, basic_arithmetic, leg_counting")
+    q.add_argument("--size", type=int, default=500, help="rows (default 500)")
+    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    q.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="the task's own options, e.g. min_terms=2 (repeatable)")
+    q.add_argument("--out", help="the JSONL to write (default data-reasoning-gym/TASK-seedS-N.jsonl)")
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
     p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")

@@ -267,7 +267,7 @@ def stage_config(name: str, stage: StageSpec, plugins) -> dict:
         out = {"name": r.name, "config": cfg.model_dump(mode="json") if cfg is not None else {}}
         return {**out, "weight": r.weight} if hasattr(r, "weight") else out
 
-    return {
+    config = {
         "kind": stage.kind,
         "algorithm": ref(stage.algorithm, plugins.algorithms, "algorithm") if stage.algorithm else None,
         "sampler": ref(stage.sampler, plugins.samplers, "sampler") if stage.sampler else None,
@@ -275,6 +275,11 @@ def stage_config(name: str, stage: StageSpec, plugins) -> dict:
         "selectors": [ref(s, plugins.selectors, f"selectors[{i}]") for i, s in enumerate(stage.selectors)],
         "settings": stage.validated_settings(f"{where}, settings").model_dump(mode="json"),
     }
+    if stage.environment is not None:  # only then: the digests of stages without one stay as they were
+        env = stage.environment
+        config["environment"] = {**ref(env, plugins.environments, "environment"), "max_turns": env.max_turns,
+                                 "max_tokens": env.max_tokens, "tool_format": env.tool_format}
+    return config
 
 
 def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
@@ -282,14 +287,29 @@ def plugin_versions(stage: StageSpec, plugins) -> dict[str, dict]:
     refs = [("algorithm", stage.algorithm, plugins.algorithms), ("sampler", stage.sampler, plugins.samplers)]
     refs += [("reward", r, plugins.rewards) for r in stage.rewards]
     refs += [("selector", s, plugins.selectors) for s in stage.selectors]
+    refs += [("environment", stage.environment, plugins.environments)]
     versions = {}
     for kind, ref, registry in refs:
         if ref is None:
             continue
         entry = registry.entry(ref.name)
         versions[f"{kind}/{ref.name}"] = {"distribution": entry.distribution, "version": entry.version,
-                                          **plugin_code(entry.obj, entry.distribution)}
+                                          **plugin_code(entry.obj, entry.distribution), **libraries(entry.obj)}
     return versions
+
+
+def libraries(obj) -> dict:
+    """The versions of the other distributions a plugin declares it runs (`libraries`, e.g. a task library
+    an adapter wraps): an upgrade of one reruns the stage. Nothing for a plugin that declares none."""
+    names = getattr(obj, "libraries", ())
+    return {"libraries": {name: _version(name) for name in names}} if names else {}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def input_digest(value: Path | str, cache: HashCache = NO_CACHE) -> str:

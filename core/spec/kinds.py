@@ -40,12 +40,12 @@ class StageKind:
     # input name -> the upstream output (`model` | `dataset`) a `stage:NAME` value reads; None: a file only
     inputs: Mapping[str, str | None]
     required: frozenset[str]  # inputs it cannot run without
-    plugins: frozenset[str]  # of algorithm, rewards, sampler, selectors; an `algorithm` is then required
+    plugins: frozenset[str]  # of algorithm, rewards, sampler, selectors, environment; an `algorithm` is then required
     settings: type[PluginConfig]  # the model that validates its `settings:` block
     schema: str | SchemaOf | None  # the row schema of its `dataset` input (None: any JSON objects)
     outputs: frozenset[str]  # what it writes: `model` and/or `dataset`
     doc: str = ""
-    needs_rewards: bool = False  # at least one reward
+    needs_rewards: bool = False  # at least one reward, or an environment where it takes one
     samples: bool = False  # generates with or without rewards: its sampler is always filled in
     schema_needs_plugins: bool = False  # `schema` reads the stage's algorithm: known once plugins load
     training: bool = False  # trains a model with the shared engine (its memory is estimated)
@@ -76,6 +76,7 @@ REQUIRED = frozenset({"model", "dataset"})
 # Training stages may list rewards (and a sampler) to score `eval_dataset` completions at the end.
 POLICY_PLUGINS = frozenset({"algorithm", "rewards", "sampler"})
 SAMPLING_PLUGINS = frozenset({"rewards", "sampler"})
+EPISODE_PLUGINS = SAMPLING_PLUGINS | {"environment"}  # stages whose samples may be multi-turn episodes
 
 
 def _train(name: str, settings, schema, plugins=frozenset({"algorithm"}), inputs=(), **flags) -> StageKind:
@@ -92,10 +93,10 @@ _RECORDS = (
     _train("prm", PRMSettings, "steps", value_head=True, doc="a process reward model from labelled steps"),
     _train("preference", PolicySettings, _preference_rows, POLICY_PLUGINS, {"reference": MODEL},
            schema_needs_plugins=True, doc="offline preference optimisation (DPO and kin)"),
-    _train("rl", RLSettings, "prompt_answer", POLICY_PLUGINS,
+    _train("rl", RLSettings, "prompt_answer", POLICY_PLUGINS | {"environment"},
            {"reference": MODEL, **SCORERS, "critic": MODEL, "teacher": MODEL}, needs_rewards=True,
            online_sampler=True, rank_dependent=True, doc="online RL: generate, score, update"),
-    StageKind("rejection_sampling", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, SAMPLING_PLUGINS,
+    StageKind("rejection_sampling", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, EPISODE_PLUGINS,
               SampleSettings, _rejection_rows, frozenset({DATASET}), needs_rewards=True, data_parallel=True,
               doc="samples completions and keeps the best (or pairs) by reward"),
     # Constitutional AI: `model` answers, critiques its answer against a principle drawn from the
@@ -108,7 +109,7 @@ _RECORDS = (
     StageKind("step_labels", {"model": MODEL, "dataset": DATASET, "completer": MODEL}, REQUIRED, SAMPLING_PLUGINS,
               StepLabelSettings, "prompt_answer", frozenset({DATASET}), needs_rewards=True, data_parallel=True,
               doc="Math-Shepherd step labels from completed step prefixes"),
-    StageKind("evaluate", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, SAMPLING_PLUGINS,
+    StageKind("evaluate", {"model": MODEL, "dataset": DATASET, **SCORERS}, REQUIRED, EPISODE_PLUGINS,
               EvaluateSettings, "prompt_answer", frozenset({DATASET}), needs_rewards=True, data_parallel=True,
               doc="accuracy and pass@k of sampled completions"),
 )

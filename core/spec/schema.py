@@ -174,15 +174,16 @@ def check_shape(name: str, stage: StageSpec, source: str) -> None:
     for field in sorted(kind.required - set(stage.inputs)):
         raise SpecError(f"{where}, inputs.{field}: required by a {stage.kind!r} stage")
     given = {"algorithm": stage.algorithm is not None, "rewards": bool(stage.rewards),
-             "sampler": stage.sampler is not None, "selectors": bool(stage.selectors)}
+             "sampler": stage.sampler is not None, "selectors": bool(stage.selectors),
+             "environment": stage.environment is not None}
     for field, present in given.items():
         if present and field not in kind.plugins:
             raise SpecError(f"{where}, {field}: a {stage.kind!r} stage takes no {field}")
     if "algorithm" in kind.plugins and stage.algorithm is None:
         raise SpecError(f"{where}, algorithm: required by a {stage.kind!r} stage")
-    if kind.needs_rewards and not stage.rewards:
-        raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward")
-    if stage.sampler is None and (stage.rewards or kind.samples) and "sampler" in kind.plugins:
+    if kind.needs_rewards and not stage.rewards and stage.environment is None:
+        raise SpecError(f"{where}, rewards: a {stage.kind!r} stage needs at least one reward (or an environment)")
+    if stage.sampler is None and (stage.rewards or stage.environment or kind.samples) and "sampler" in kind.plugins:
         stage.sampler = PluginRef(name=DEFAULT_SAMPLER)
     _check_settings(where, stage)
 
@@ -216,6 +217,8 @@ def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> list[str
         check(f"rewards[{i}]", ref, plugins.rewards)
     for i, ref in enumerate(stage.selectors):
         check(f"selectors[{i}]", ref, plugins.selectors)
+    if stage.environment is not None:
+        check("environment", stage.environment, plugins.environments)
     return problems
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -101,6 +101,15 @@ class RewardRef(PluginRef):
     weight: float = 1.0
 
 
+class EnvironmentRef(PluginRef):
+    """A stage's environment (core/environments): episodes of model turns and its answers, with their limits."""
+
+    max_turns: int = Field(4, ge=1)  # model turns per episode
+    max_tokens: int | None = Field(None, ge=1)  # model and environment tokens after the prompt (None: turns x max_new_tokens)
+    tool_format: Literal["auto", "hermes", "tag"] = "auto"  # auto: hermes when the chat template knows tool calls
+    weight: float = 1.0  # of the episode's reward beside the stage's `rewards`
+
+
 def lookup(where: str, ref: PluginRef, registry):
     """The registered plugin `ref` names; a SpecError at `where.name` when there is none."""
     try:
@@ -124,6 +133,7 @@ class StageSpec(BaseModel):
     rewards: list[RewardRef] = Field(default_factory=list)
     sampler: PluginRef | None = None
     selectors: list[PluginRef] = Field(default_factory=list)
+    environment: EnvironmentRef | None = None  # multi-turn episodes in place of one completion per sample
     settings: dict[str, Any] = Field(default_factory=dict)
     # The Prefect work pool whose worker runs this stage (flows/launch/pools.py); None: the pipeline's own
     # process. Where a stage runs is not part of its digest: moving it between pools reuses its artifact.
@@ -135,7 +145,7 @@ class StageSpec(BaseModel):
     def _pool(cls, v):
         return check_pool_name(v) if v is not None else v
 
-    @field_validator("algorithm", "sampler", mode="before")
+    @field_validator("algorithm", "sampler", "environment", mode="before")
     @classmethod
     def _one(cls, v):
         return PluginRef.coerce(v)

@@ -205,6 +205,7 @@ def blamed_plugin(exc: BaseException, stage, plugins) -> str | None:
     refs = [("algorithm", stage.algorithm, plugins.algorithms), ("sampler", stage.sampler, plugins.samplers)]
     refs += [("reward", r, plugins.rewards) for r in stage.rewards]
     refs += [("selector", r, plugins.selectors) for r in stage.selectors]
+    refs += [("environment", stage.environment, plugins.environments)]
     owners = []
     for kind, ref, registry in refs:
         try:

@@ -14,7 +14,8 @@ from alignflow.core.train.datasets import load_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, episodes_of, generate_and_score, loaded_sampler,
+                                           reward_set)
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -57,7 +58,8 @@ def run_evaluate(ctx: StageContext) -> StageResult:
                             f"rewards ({', '.join(names)})")
     rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
     with loaded_sampler(ctx) as (sampler, tokenizer):
-        scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)
+        scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True,
+                                    episodes=episodes_of(ctx))
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 from alignflow.core.train.datasets import load_rows
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.scoring import accuracy_metrics, generate_and_score, reward_set
+from alignflow.flows.stages.scoring import accuracy_metrics, episodes_of, generate_and_score, reward_set
 from alignflow.flows.stages.training import plugin
 
 
 def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", sampler=None) -> dict[str, float]:
-    """Greedy (per `eval_generation`) completions for `eval_dataset` prompts, scored; {} without rewards.
+    """Greedy (per `eval_generation`) completions (or episodes) for `eval_dataset` prompts, scored; {} without
+    rewards or an environment.
 
     `sampler`: one that already holds `model`'s weights (the rl stage's own); else the stage's sampler is
     loaded for this evaluation and closed after it. Every rank calls it: the ranks share the prompts,
     unless under ZeRO-3, where each forward pass is a collective and so every rank generates every
     completion alike.
     """
-    if "eval_dataset" not in ctx.inputs or not ctx.spec.rewards:
+    if "eval_dataset" not in ctx.inputs or not (ctx.spec.rewards or ctx.spec.environment):
         return {}
     s = ctx.settings
     rows = load_rows(ctx.inputs["eval_dataset"], "prompt_answer").to_list()[: s.eval_limit]
@@ -26,7 +27,7 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", s
         sampler.load(model, tokenizer)
     try:
         scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, reward_set(ctx),
-                                    shard=s.zero_stage != 3)
+                                    shard=s.zero_stage != 3, episodes=episodes_of(ctx))
     finally:
         if own:
             sampler.close()

@@ -17,7 +17,8 @@ from alignflow.core.train.datasets import load_rows
 from alignflow.core.train.dist import rank_and_world
 from alignflow.core.spec.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import Scored, accuracy_metrics, generate_and_score, loaded_sampler, reward_set
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, episodes_of, generate_and_score, loaded_sampler,
+                                           reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 
@@ -72,7 +73,7 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     rows = load_rows(ctx.inputs["dataset"], sampled_rows(s.output)).to_list()
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
-                                    shard=True)
+                                    shard=True, episodes=episodes_of(ctx))
 
     kept = select_rows(scored, s.output, s.pairs_per_prompt)
     out = ctx.work_dir / "data.jsonl"

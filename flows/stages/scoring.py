@@ -17,7 +17,8 @@ from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
 from alignflow.core.progress import progress
 from alignflow.core.train.dist import gathered, rank_and_world
-from alignflow.core.rewards import RewardOutput, RewardSet
+from alignflow.core.environments.episodes import Episodes, episode_metrics
+from alignflow.core.rewards import Reward, RewardOutput, RewardSet
 from alignflow.core.sampling import Generation
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
 
@@ -44,12 +45,32 @@ class Scored:
 
 
 def reward_set(ctx) -> RewardSet:
-    """The stage's rewards; a config value `${inputs.NAME}` becomes that resolved stage input."""
+    """The stage's rewards; a config value `${inputs.NAME}` becomes that resolved stage input. With an
+    environment its episode reward comes first (so it decides which samples are correct), under its name."""
     refs = []
     for ref in ctx.spec.rewards:
         config = {k: _input_value(ctx, v) for k, v in ref.config.items()}
         refs.append((ref.name, ref.weight, config))
-    return RewardSet.from_refs(refs, ctx.plugins)
+    rewards = RewardSet.from_refs(refs, ctx.plugins)
+    env = ctx.spec.environment
+    if env is not None:
+        rewards.rewards.insert(0, Reward(env.name, env.weight, episode_reward))
+    return rewards
+
+
+def episode_reward(prompts, completions, episode_reward, **columns) -> list[float]:
+    """The environment's reward of each episode (the sum of its turns'), from the episodes' column."""
+    return list(episode_reward)
+
+
+def episodes_of(ctx) -> Episodes | None:
+    """How the stage runs multi-turn episodes; None without an `environment:`."""
+    env = ctx.spec.environment
+    if env is None:
+        return None
+    cls = ctx.plugins.environments.get(env.name)
+    config = env.validated(ctx.plugins.environments, f"stage {ctx.name!r}, environment")
+    return Episodes(cls, config, env.max_turns, env.max_tokens, env.tool_format, env.name)
 
 
 def _input_value(ctx, value):
@@ -87,12 +108,15 @@ def prompt_ids(tokenizer, rows: list[dict]) -> list[list[int]]:
 
 
 def columns_for(rows: list[dict], generation: Generation) -> dict[str, list]:
-    """The dataset's other columns, repeated for each completion, plus token lengths."""
+    """The dataset's other columns, repeated for each completion, plus token lengths (and for episodes
+    `episode_reward`, `episode_turns`, ... per episode)."""
     keys = [k for k in rows[0] if k != "prompt"]
     cols = {k: [rows[i][k] for i in generation.prompt_index] for k in keys}
     cols["completion_ids"] = generation.completion_ids
     cols["completion_lengths"] = generation.lengths
     cols["truncated"] = generation.truncated
+    for k, values in (generation.episodes or {}).items():
+        cols[f"episode_{k}"] = values
     return cols
 
 
@@ -106,25 +130,29 @@ def join_ranks() -> tuple[int, int]:
 
 
 def generate(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = CHUNK,
-             shard: bool = False) -> Generation:
-    """`n` completions per row's prompt, `chunk` prompts at a time (each seeded by its place) under a
-    progress bar. With `shard`, the ranks of a process group share the chunks and every rank gets the
-    whole generation: the same completions one process would make.
+             shard: bool = False, episodes: Episodes | None = None) -> Generation:
+    """`n` completions per row's prompt (with `episodes`, multi-turn episodes per row), `chunk` prompts at a
+    time (each seeded by its place) under a progress bar. With `shard`, the ranks of a process group share
+    the chunks and every rank gets the whole generation: the same completions one process would make.
     """
-    parts = list(chunks(sampler, tokenizer, rows, n, gen, seed, chunk, shard))
+    parts = list(chunks(sampler, tokenizer, rows, n, gen, seed, chunk, shard, episodes))
     return Generation.concat(every_rank(parts) if shard else parts)
 
 
-def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = CHUNK, shard: bool = False):
+def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: int = CHUNK, shard: bool = False,
+           episodes: Episodes | None = None):
     """(first prompt's index, Generation) of each chunk of prompts this rank samples: all of them, or with
     `shard` every world-th."""
-    ids = prompt_ids(tokenizer, rows)
+    ids = None if episodes is not None else prompt_ids(tokenizer, rows)  # episodes start from the environment's
     rank, world = join_ranks() if shard else (0, 1)
-    starts = list(range(0, len(ids), chunk))[rank::world]
-    with progress("generate", total=sum(len(ids[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
+    starts = list(range(0, len(rows), chunk))[rank::world]
+    with progress("generate", total=sum(len(rows[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
         for lo in starts:
-            part = sampler.generate(ids[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
-            bar.update(len(ids[lo: lo + chunk]), tokens=sum(part.lengths))
+            if episodes is not None:
+                part = episodes.generate(sampler, tokenizer, rows[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
+            else:
+                part = sampler.generate(ids[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
+            bar.update(len(rows[lo: lo + chunk]), tokens=sum(part.lengths))
             yield lo, part
 
 
@@ -134,16 +162,16 @@ def every_rank(pieces: list[tuple]) -> list[tuple]:
 
 
 def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int,
-                       rewards: RewardSet, shard: bool = False) -> Scored:
-    """`n` completions per row's prompt, scored by every reward. With `shard` each rank samples and
-    scores its share of the chunks (see `generate`), and every rank gets the whole."""
+                       rewards: RewardSet, shard: bool = False, episodes: Episodes | None = None) -> Scored:
+    """`n` completions (or episodes) per row's prompt, scored by every reward. With `shard` each rank samples
+    and scores its share of the chunks (see `generate`), and every rank gets the whole."""
     if not shard or join_ranks()[1] == 1:
-        generation = generate(sampler, tokenizer, rows, n, gen, seed)
+        generation = generate(sampler, tokenizer, rows, n, gen, seed, episodes=episodes)
         prompts = [rows[i]["prompt"] for i in generation.prompt_index]
         out, correct = judge(rewards, prompts, generation.texts, columns_for(rows, generation))
         return Scored(rows, n, generation, out, correct)
     pieces = []
-    for lo, part in chunks(sampler, tokenizer, rows, n, gen, seed, shard=True):
+    for lo, part in chunks(sampler, tokenizer, rows, n, gen, seed, shard=True, episodes=episodes):
         own = rows[lo: lo + CHUNK]
         out, correct = judge(rewards, [own[i]["prompt"] for i in part.prompt_index], part.texts,
                              columns_for(own, part))
@@ -175,4 +203,6 @@ def accuracy_metrics(scored: Scored, ks: list[int] = (1,)) -> dict[str, float]:
     for k in ks:
         if k <= scored.n:
             metrics[f"pass_at_{k}"] = mean_pass_at_k(scored.counts(), scored.n, k)
+    if scored.generation.episodes is not None:
+        metrics.update(episode_metrics(scored.generation.episodes))
     return metrics

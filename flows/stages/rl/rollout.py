@@ -16,6 +16,7 @@ from alignflow.core import seeds
 from alignflow.core.train.datasets import pad, token_ends
 from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.environments.episodes import episode_metrics
 from alignflow.core.rl.capabilities import Regenerate, has
 from alignflow.flows.stages.rl.costs import cost_label
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
@@ -38,6 +39,8 @@ class Samples:
     steps: list[list[tuple[int, float]]] | None = None  # process reward: (completion token, reward) per step
     counts: dict[str, float] = field(default_factory=dict)  # reward/NAME/failed and rewards' own counts
     guided: list[bool] | None = None  # sampled after `algo.guided_prompt` (see rl_guided); None: no such row
+    loss_mask: list[list[int]] | None = None  # episodes: 1 on the model's completion tokens, 0 on the environment's
+    episodes: dict[str, list] | None = None  # episodes: turns, tool calls, ... per sample (core/environments)
 
     def __len__(self) -> int:
         return len(self.group)
@@ -59,8 +62,8 @@ class Samples:
         def cat(name):
             if getattr(first, name) is None and name != "guided":
                 return None
-            if name == "values":
-                return {k: sum((p.values[k] for p in parts), []) for k in first.values}
+            if name in ("values", "episodes"):
+                return {k: sum((getattr(p, name)[k] for p in parts), []) for k in getattr(first, name)}
             if name == "counts":
                 return {k: sum(p.counts.get(k, 0.0) for p in parts) for k in {k for p in parts for k in p.counts}}
             if name == "guided":  # rounds carry no flags, guided samples all True: a row without one is not guided
@@ -112,14 +115,14 @@ def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None) -> 
 
 
 def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
-                   groups: list[int], process_reward=None) -> tuple[Samples, dict[str, float]]:
-    """G completions for each of `rows` (group `groups[i]` for row i), scored (and their steps, given a
-    process reward); timings."""
+                   groups: list[int], process_reward=None, episodes=None) -> tuple[Samples, dict[str, float]]:
+    """G completions (with `episodes`, G multi-turn episodes) for each of `rows` (group `groups[i]` for row i),
+    scored (and their steps, given a process reward); timings."""
     start = time.perf_counter()
-    scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards)
+    scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards, episodes=episodes)
     g = scored.generation
     gen_s = g.timings.get("generate_s", time.perf_counter() - start)
-    prompts = prompt_ids(tokenizer, rows)
+    prompts = prompt_ids(tokenizer, rows) if g.prompt_ids is None else None
     steps = None
     if process_reward is not None:
         spans = process_reward.step_rewards([rows[i]["prompt"] for i in g.prompt_index], g.texts)
@@ -127,17 +130,19 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
         steps = [list(zip(token_ends(decode, ids, [end for end, _ in sp]), [r for _, r in sp]))
                  for ids, sp in zip(g.completion_ids, spans)]
     samples = Samples(
-        prompt_ids=[prompts[i] for i in g.prompt_index], completion_ids=g.completion_ids,
+        prompt_ids=[prompts[i] for i in g.prompt_index] if prompts is not None else g.prompt_ids,
+        completion_ids=g.completion_ids,
         logprobs=g.logprobs, group=[groups[i] for i in g.prompt_index], reward=scored.rewards.total,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
         counts={k: v for k, v in scored.rewards.metrics.items()
                 if k.startswith("reward/") and not k.endswith(("/mean", "/none"))},
+        loss_mask=g.loss_mask, episodes=g.episodes,
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 
 
 def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,
-            process_reward=None, draw=None):
+            process_reward=None, draw=None, episodes=None):
     """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill up to
     `algo.max_gen_batches` rounds (0: until full) for a `Regenerate` algorithm, trim to `draw.per_step` groups
     (without a `PromptDraw`: `prompts_per_step`); the draw records every completion's success. Returns the
@@ -157,12 +162,12 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         rows = [dataset[i] for i in index]
         sources.update({rounds * want + i: row for i, row in enumerate(rows)})
         samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
-                                    [rounds * want + i for i in mine], process_reward)
+                                    [rounds * want + i for i in mine], process_reward, episodes)
         samples = whole_round(samples)
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        batch = to_batch(samples, pad_id, s.generation.max_new_tokens, cost)
+        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost)
         keep = algo.filter_groups(batch.rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
@@ -182,6 +187,11 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     return Samples.join(kept), Samples.join(drawn), metrics, sources
 
 
+def completion_budget(gen, episodes=None) -> int:
+    """The most tokens a completion holds: `max_new_tokens`, or an episode's whole budget."""
+    return gen.max_new_tokens if episodes is None else episodes.budget(gen)
+
+
 def whole_round(samples: Samples) -> Samples:
     """Every rank's samples of a round on every rank, in group order (each group's in sampler order)."""
     parts = gathered(samples)
@@ -198,7 +208,8 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | Non
     seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids = pad(seqs, pad_id)
     attention = pad([[1] * len(x) for x in seqs], 0)
-    response = pad([[0] * n + [1] * len(c) for n, c in zip(prompt_len, samples.completion_ids)], 0).float()
+    loss = samples.loss_mask or [[1] * len(c) for c in samples.completion_ids]  # an episode's: the model's tokens
+    response = pad([[0] * n + list(m) for n, m in zip(prompt_len, loss)], 0).float()
     sampled = None
     if samples.logprobs is not None:
         sampled = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()
@@ -236,6 +247,8 @@ def rollout_metrics(kept: Samples, drawn: Samples) -> dict[str, float]:
         metrics.update(_mean_std(f"reward/{name}", [v for v in values if v is not None]))
         metrics[f"reward/{name}/none"] = float(sum(v is None for v in values))
     metrics.update(drawn.counts)  # e.g. reward/code_exec/timeout, reward/NAME/failed
+    if drawn.episodes is not None:
+        metrics.update(episode_metrics(drawn.episodes))
     return metrics
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from alignflow.core import seeds
+from alignflow.core.environments.episodes import Episodes
 from alignflow.core.train.adapters import AdaptersOff
 from alignflow.core.train.datasets import load_rows
 from alignflow.core.train.engine import Engine
@@ -34,12 +35,12 @@ from alignflow.flows.stages.rl.overlap import Overlapped, overlap_next
 from alignflow.flows.stages.rl.params import attach_parameters, detach_parameters
 from alignflow.flows.stages.rl.prompts import PromptDraw
 from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, restore, with_replayed
-from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, rollout_metrics, to_batch
+from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, completion_budget, rollout_metrics, to_batch
 from alignflow.flows.stages.rl.setup import (check_overlap, engines, load_reference, load_teacher,
                                              minibatches_per_rollout, process_reward, rl_steps)
 from alignflow.flows.stages.rl.state import checkpoint_state, resume
 from alignflow.flows.stages.rl.update import critic_values, prepare, rollout_stats, update
-from alignflow.flows.stages.scoring import reward_set
+from alignflow.flows.stages.scoring import episodes_of, reward_set
 from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
     save_pretrained
 
@@ -63,6 +64,7 @@ class Parts:
     teacher: torch.nn.Module | None = None  # frozen, for `requires_teacher`
     replay: ReplayBuffer | None = None  # groups of earlier steps, for algorithms that replay them
     prompts: PromptDraw | None = None  # which rows each step generates for, and their success rates
+    episodes: Episodes | None = None  # multi-turn episodes on the stage's environment
 
 
 def build(ctx: StageContext) -> tuple[Parts, int]:
@@ -93,7 +95,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
     replay, prompts = resume(ctx, algo, engine.data_state or {}, len(dataset))  # a resumed run goes on as it was
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
-                 process, teacher, replay=replay, prompts=prompts), total
+                 process, teacher, replay=replay, prompts=prompts, episodes=episodes_of(ctx)), total
 
 
 def check_ranks(ctx: StageContext) -> None:
@@ -188,7 +190,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
 def rollouts(ctx: StageContext, p: Parts, step: int) -> tuple[Samples, Samples, dict[str, float]]:
     """The step's kept samples (its guided samples after them), everything generated, and their metrics."""
     kept, drawn, metrics, sources = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
-                                            p.tokenizer.pad_token_id, p.process_reward, p.prompts)
+                                            p.tokenizer.pad_token_id, p.process_reward, p.prompts, p.episodes)
     kept, guided = with_guided(ctx, step, kept, sources, p.sampler, p.tokenizer, p.rewards, p.algo,
                                p.process_reward)
     return kept, drawn, {**metrics, **guided}
@@ -213,7 +215,7 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
         fill["teacher_logprobs"] = logprobs(p.teacher)
     if p.critic is not None:
         fill["values"] = partial(critic_values, p.critic.model)
-    batch = to_batch(kept, p.tokenizer.pad_token_id, s.generation.max_new_tokens, cost_label(p.algo))
+    batch = to_batch(kept, p.tokenizer.pad_token_id, completion_budget(s.generation, p.episodes), cost_label(p.algo))
     batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
     # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
     # taken when `fill` recomputed pi_old for every row).

@@ -33,7 +33,7 @@ def test_each_kind_has_exactly_one_runner():
 def test_records_are_consistent():
     for r in KINDS.values():
         assert r.required <= set(r.inputs), r.name
-        assert r.plugins <= {"algorithm", "rewards", "sampler", "selectors"}, r.name
+        assert r.plugins <= {"algorithm", "rewards", "sampler", "selectors", "environment"}, r.name
         assert r.outputs and r.outputs <= {"model", "dataset"}, r.name
         assert not r.rank_dependent or r.data_parallel, f"{r.name}: rank-dependent but not data-parallel"
         assert not r.value_head or r.training, r.name

@@ -1,0 +1,93 @@
+"""Token-in, token-out transcripts: the ids the trainer scores are the ids the sampler produced.
+
+A transcript starts from the chat template's rendering of the first messages. Each model turn is appended
+as the ids it was sampled as (never re-tokenised from its text); each environment reply is rendered by the
+chat template and only the new text is tokenised, once. Re-tokenising the whole conversation each turn
+would give other ids than were sampled (a merge across a turn's edge, a normalised space) and bias the
+log-probs the trainer compares with the sampler's.
+
+That needs a template that renders earlier turns the same when a turn is added; one that rewrites them
+(drops earlier reasoning, say) is refused with an error naming the turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from alignflow.core.environments.tools import Message
+from alignflow.core.errors import AlignflowError
+
+
+class TemplateError(AlignflowError):
+    """The chat template cannot build a token-in, token-out transcript."""
+
+
+def render(tokenizer, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> str:
+    """The chat template's text for `messages` (the tokenizer's own template; no template: contents joined)."""
+    if not getattr(tokenizer, "chat_template", None):
+        text = "".join(m["content"] + (tokenizer.eos_token if m["role"] == "assistant" else "") for m in messages)
+        return text
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+class Transcript:
+    """One episode's ids after its prompt; `mask` is 1 on the model's tokens, `logprobs` 0 on the others."""
+
+    def __init__(self, tokenizer, messages: list[Message], tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.messages = list(messages)
+        self.rendered = render(tokenizer, self.messages, tools, True)  # the text the ids so far stand for
+        self.prompt_ids = encode(tokenizer, self.rendered)
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+
+    @property
+    def context(self) -> list[int]:
+        """What the model reads before its next turn."""
+        return self.prompt_ids + self.ids
+
+    def add_turn(self, ids: list[int], logprobs: list[float] | None, text: str) -> None:
+        """A model turn, as sampled (its stop token included)."""
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.messages.append({"role": "assistant", "content": text})
+
+    def reply_ids(self, reply: list[Message]) -> list[int]:
+        """The ids of the environment's reply to the last turn, ready for the model's next turn."""
+        eos = self.tokenizer.eos_token
+        before = render(self.tokenizer, self.messages, self.tools, False)
+        after = render(self.tokenizer, self.messages + list(reply), self.tools, True)
+        turn = len([m for m in self.messages if m["role"] == "assistant"])
+        if not before.startswith(self.rendered) or not after.startswith(before):
+            raise TemplateError(
+                f"the chat template renders earlier turns differently once turn {turn} is added, so the ids "
+                "sampled so far would not be what the trainer scores; use a template that keeps earlier "
+                "turns as they are (settings.chat_template)")
+        at = before.rfind(eos, len(self.rendered))
+        if at < 0:
+            raise TemplateError(f"the chat template does not end an assistant turn with the EOS token {eos!r}: "
+                                "the end of a sampled turn cannot be found in its rendering")
+        # the template's text after the sampled stop token (Qwen's newline after <|im_end|>), then the reply
+        return encode(self.tokenizer, before[at + len(eos):] + after[len(before):])
+
+    def add_reply(self, reply: list[Message], ids: list[int]) -> None:
+        """Append the reply `reply_ids` gave: context for the model, no loss."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.messages += list(reply)
+        self.rendered = render(self.tokenizer, self.messages, self.tools, True)
+
+
+def as_messages(observation: str | list[Message] | Any) -> list[Message]:
+    """An observation as messages: a string is one user message."""
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    return list(observation)

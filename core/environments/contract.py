@@ -1,0 +1,75 @@
+"""The environment contract: multi-turn episodes in which the model writes turns and the environment answers.
+
+One instance per episode. `reset` starts it from a dataset row and a seed and returns the first messages;
+`step` takes each model turn (its text and parsed tool calls) and returns what the environment says back, a
+reward for the turn and whether the episode is over; `close` releases what it held. `reset`, `step` and
+`close` may be `async def`: the episodes of a batch run concurrently either way (sync ones in threads).
+
+The default `step` serves the common case, a task with tools: a turn with tool calls gets their results
+(an error observation for a malformed call, an unknown tool or one that raises, never an exception) and
+the episode goes on; a turn without any is the final answer, scored by `score`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from alignflow.core.contracts import PluginConfig
+from alignflow.core.environments.tools import Message, ToolCall, call_tools
+
+
+@dataclass
+class Turn:
+    """One model turn: its text (special tokens removed), the tool calls parsed from it, its place (0 first)."""
+
+    text: str
+    tool_calls: list[ToolCall]
+    index: int
+
+
+@dataclass
+class Step:
+    """The environment's answer to a turn: messages to append (none when it ends), a reward, whether it is over.
+
+    `observation` is a string (one user message) or a list of messages (`role` "tool" for tool results).
+    `tool_calls` and `tool_errors` count what this turn asked of tools, for the episode's metrics.
+    """
+
+    observation: str | list[Message] | None = None
+    reward: float = 0.0
+    done: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Environment:
+    """Base for environment plugins: override `reset` and `score` (and `tools`), or `step` for any protocol."""
+
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+
+    def __init__(self, config: PluginConfig | None = None):
+        self.config = config if config is not None else self.Config()
+
+    def reset(self, row: dict, seed: int) -> str | list[Message]:
+        """Start an episode on dataset row `row`: its first messages (a string is one user message)."""
+        return row["prompt"]
+
+    def tools(self) -> list[Callable[..., Any]]:
+        """Functions the model may call; each one's JSON schema comes from its signature and docstring."""
+        return []
+
+    def step(self, turn: Turn) -> Step:
+        """Run the turn's tool calls and go on; a turn without tool calls is the answer: `score` it and end."""
+        if not turn.tool_calls:
+            return Step(reward=float(self.score(turn.text)), done=True)
+        results, errors = call_tools(self.tools(), turn.tool_calls)
+        return Step(observation=results, tool_calls=len(turn.tool_calls), tool_errors=errors)
+
+    def score(self, answer: str) -> float:
+        """The reward of the final answer (the last turn's text)."""
+        return 0.0
+
+    def close(self) -> None:
+        """The episode is over (or failed): release what it holds."""

@@ -1,0 +1,184 @@
+"""Multi-turn rollouts: the sampler writes a turn for every running episode at once, the environments answer
+concurrently, until each episode is over, reaches `max_turns`, or spends its token budget.
+
+The result is an ordinary `Generation` whose completion is the whole episode after its prompt: the model's
+turns as sampled and the environment's replies, with `loss_mask` 1 on the model's tokens only and the
+sampler's log-probs on them (0 on the replies). Every consumer of a Generation (rewards, group advantages,
+every RL loss through its response mask) works on episodes unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from alignflow.core import seeds
+from alignflow.core.environments.chat import Transcript, as_messages
+from alignflow.core.environments.contract import Environment, Step, Turn
+from alignflow.core.environments.tools import ToolFormat, tool_format, tool_schema
+from alignflow.core.errors import AlignflowError
+from alignflow.core.sampling import Generation
+
+log = logging.getLogger(__name__)
+ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error")  # why an episode ended
+
+
+class EpisodeError(AlignflowError):
+    """An environment broke its contract where no episode can go on (a failing `reset`)."""
+
+
+@dataclass
+class Episodes:
+    """How a stage runs episodes: the environment class and its validated config, and the limits."""
+
+    environment: type[Environment]
+    config: Any
+    max_turns: int = 4
+    max_tokens: int | None = None  # model and environment tokens after the prompt; None: max_turns x max_new_tokens
+    tool_format: str = "auto"
+    name: str = "environment"
+
+    def budget(self, gen) -> int:
+        """The most tokens an episode holds after its prompt."""
+        return self.max_tokens if self.max_tokens is not None else self.max_turns * gen.max_new_tokens
+
+    def generate(self, sampler, tokenizer, rows: list[dict], n: int, gen, seed: int) -> Generation:
+        """`n` episodes per row (the `n` of a row start from the same seed), as one Generation."""
+        start = time.perf_counter()
+        fmt = tool_format(self.tool_format, tokenizer)
+        envs = [self.environment(self.config) for _ in rows for _ in range(n)]
+        index = [i for i in range(len(rows)) for _ in range(n)]
+        try:
+            firsts = concurrently([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
+            for i, first in zip(index, firsts):
+                if isinstance(first, BaseException):
+                    raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
+                                            f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
+            tools = {fn.__name__: tool_schema(fn) for fn in envs[0].tools()} if envs else {}  # alike in every episode
+            runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None))
+                    for env, first in zip(envs, firsts)]
+            has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools)
+        finally:
+            for result in concurrently([(env.close,) for env in envs]):
+                if isinstance(result, BaseException):
+                    log.warning("environment %r failed to close an episode: %s", self.name, result)
+        completions = [r.transcript.ids for r in runs]
+        return Generation(
+            prompt_index=index, completion_ids=completions,
+            texts=tokenizer.batch_decode(completions, skip_special_tokens=True),
+            truncated=[r.ended in ("max_turns", "max_tokens", "turn_tokens") for r in runs],
+            logprobs=[r.transcript.logprobs for r in runs] if has_logprobs else None,
+            timings={"generate_s": time.perf_counter() - start, "environment_s": env_s},
+            prompt_ids=[r.transcript.prompt_ids for r in runs],
+            loss_mask=[r.transcript.mask for r in runs],
+            episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
+                      "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
+                      "ended": [r.ended for r in runs]},
+        )
+
+    def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
+               tools: dict) -> tuple[bool, float]:
+        """Every episode's turns; whether the sampler gave log-probs, and the seconds spent in the environments."""
+        budget, has_logprobs, env_s = self.budget(gen), True, 0.0
+        for turn in range(self.max_turns):
+            active = [r for r in runs if r.ended is None]
+            if not active:
+                break
+            left = budget - min(len(r.transcript.ids) for r in active)  # >= 1: a full episode has ended
+            call = gen if left >= gen.max_new_tokens else gen.model_copy(update={"max_new_tokens": left})
+            out = sampler.generate([r.transcript.context for r in active], 1, call, seeds.turn(seed, turn))
+            has_logprobs &= out.logprobs is not None
+            steps = []
+            for k, r in enumerate(active):
+                ids = out.completion_ids[k][: budget - len(r.transcript.ids)]
+                lps = None if out.logprobs is None else out.logprobs[k][: len(ids)]
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                r.transcript.add_turn(ids, lps, text)
+                r.turns += 1
+                if len(ids) < len(out.completion_ids[k]) or out.truncated[k]:
+                    # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is the episode
+                    r.ended = "max_tokens" if len(r.transcript.ids) >= budget else "turn_tokens"
+                    continue
+                steps.append((r, Turn(text, fmt.parse(text, tools), turn)))
+            started = time.perf_counter()
+            answers = concurrently([(r.env.step, t) for r, t in steps])
+            env_s += time.perf_counter() - started
+            for (r, _), answer in zip(steps, answers):
+                r.take(answer, fmt, budget, turn + 1 == self.max_turns, self.name)
+        return has_logprobs, env_s
+
+
+class _Run:
+    """One running episode."""
+
+    def __init__(self, env: Environment, transcript: Transcript):
+        self.env, self.transcript = env, transcript
+        self.reward, self.turns, self.tool_calls, self.tool_errors = 0.0, 0, 0, 0
+        self.ended: str | None = None
+
+    def take(self, answer: Step | BaseException, fmt: ToolFormat, budget: int, last: bool, name: str) -> None:
+        """The environment's answer to the last turn: its reward, and its reply unless the episode is over."""
+        if isinstance(answer, BaseException) or not isinstance(answer, Step):
+            what = (f"{type(answer).__name__}: {answer}" if isinstance(answer, BaseException)
+                    else f"step returned {type(answer).__name__}, expected a Step")
+            log.warning("environment %r failed on a turn; the episode ends: %s", name, what)
+            self.ended = "error"
+            return
+        self.reward += float(answer.reward)
+        self.tool_calls += answer.tool_calls
+        self.tool_errors += answer.tool_errors
+        if answer.done or answer.observation is None:
+            self.ended = "done"
+            return
+        if last:
+            self.ended = "max_turns"
+            return
+        reply = [fmt.result(m) if m.get("role") == "tool" else m for m in as_messages(answer.observation)]
+        ids = self.transcript.reply_ids(reply)
+        if len(self.transcript.ids) + len(ids) >= budget:  # no room for the reply and a turn after it
+            self.ended = "max_tokens"
+            return
+        self.transcript.add_reply(reply, ids)
+
+
+def concurrently(calls: list[tuple]) -> list[Any]:
+    """Run `(fn, *args)` calls at once, async ones on an event loop and sync ones in its threads; each result,
+    or the exception it raised."""
+    if not calls:
+        return []
+
+    async def one(fn: Callable, *args):
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    async def gather():
+        return await asyncio.gather(*(one(*c) for c in calls), return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    out: list[Any] = []  # called from inside an event loop (a notebook): run ours in a thread of its own
+    worker = threading.Thread(target=lambda: out.extend(asyncio.run(gather())))
+    worker.start()
+    worker.join()
+    return out
+
+
+def _row_text(row: dict) -> str:
+    text = repr(row.get("prompt", row))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def episode_metrics(episodes: dict[str, list]) -> dict[str, float]:
+    """Per-episode means of turns, tool calls and tool errors, and the share of episodes ended by each limit."""
+    n = max(len(episodes["turns"]), 1)
+    metrics = {f"episode/{k}": sum(episodes[k]) / n for k in ("turns", "tool_calls", "tool_errors")}
+    metrics.update({f"episode/ended_{e}": sum(x == e for x in episodes["ended"]) / n for e in ENDINGS})
+    return metrics

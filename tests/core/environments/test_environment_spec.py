@@ -1,0 +1,80 @@
+"""An `environment:` in a pipeline: where it is allowed, what it replaces, what validate says, what the digest holds."""
+
+import pytest
+import yaml
+
+from alignflow.core import SpecError
+from alignflow.core.plugins import get_plugins
+from alignflow.core.spec.schema import parse_spec
+from alignflow.flows.digest import plugin_versions, stage_config
+
+SPEC = """
+name: tools
+stages:
+  rl:
+    kind: rl
+    inputs: {model: builtin:tiny, dataset: rl.jsonl}
+    algorithm: grpo
+    environment: {name: math_tools, config: {tools: [calculator, python]}, max_turns: 3}
+  test:
+    kind: evaluate
+    inputs: {model: "stage:rl", dataset: test.jsonl}
+    environment: math_tools
+"""
+
+
+def parse(text=SPEC, **edit):
+    raw = yaml.safe_load(text)
+    for path, value in edit.items():
+        stage, field = path.split("__")
+        raw["stages"][stage][field] = value
+    return parse_spec(raw, "tools.yaml", get_plugins())
+
+
+def test_an_environment_stands_in_for_rewards_and_brings_the_default_sampler():
+    spec = parse()
+    rl = spec.stages["rl"]
+    assert rl.environment.max_turns == 3 and rl.environment.tool_format == "auto" and rl.rewards == []
+    assert rl.sampler.name == "hf" and spec.stages["test"].sampler.name == "hf"
+
+
+def test_unknown_environment_and_bad_config_are_named_before_any_compute():
+    with pytest.raises(SpecError) as info:
+        parse(rl__environment={"name": "math_tool"}, test__environment={"name": "math_tools",
+                                                                         "config": {"tools": ["abacus"]}})
+    msg = str(info.value)
+    assert "stage 'rl', environment.name" in msg and "math_tools" in msg  # the closest name is suggested
+    assert "stage 'test', environment.config.tools.0" in msg
+
+
+def test_limits_are_checked_and_kinds_without_episodes_refuse_one():
+    with pytest.raises(SpecError, match="environment.max_turns"):
+        parse(rl__environment={"name": "math_tools", "max_turns": 0})
+    raw = yaml.safe_load(SPEC)
+    raw["stages"]["sft"] = {"kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": "sft.jsonl"},
+                            "algorithm": "sft", "environment": "math_tools"}
+    with pytest.raises(SpecError, match="stage 'sft', environment: a 'sft' stage takes no environment"):
+        parse_spec(raw, "tools.yaml", get_plugins())
+
+
+def test_rl_without_rewards_or_environment_is_refused():
+    with pytest.raises(SpecError, match="needs at least one reward \\(or an environment\\)"):
+        parse(rl__environment=None)
+
+
+def test_the_digest_holds_the_environment_its_limits_and_its_code_and_stages_without_one_are_unchanged():
+    spec, plugins = parse(), get_plugins()
+    config = stage_config("rl", spec.stages["rl"], plugins)
+    assert config["environment"] == {"name": "math_tools", "config": {"tools": ["calculator", "python"]},
+                                     "max_turns": 3, "max_tokens": None, "tool_format": "auto", "weight": 1.0}
+    versions = plugin_versions(spec.stages["rl"], plugins)
+    assert versions["environment/math_tools"]["distribution"] == "alignflow"
+    assert len(versions["environment/math_tools"]["source"]) == 64  # a hash of the code it imports
+    plain = parse(rl__environment=None, rl__rewards=["math_accuracy"])
+    assert "environment" not in stage_config("rl", plain.stages["rl"], plugins)  # earlier digests stay valid
+
+
+def test_a_task_librarys_version_enters_the_digest_of_a_stage_that_uses_it():
+    spec = parse(rl__rewards=["reasoning_gym"])
+    versions = plugin_versions(spec.stages["rl"], get_plugins())
+    assert versions["reward/reasoning_gym"]["libraries"] == {"reasoning-gym": "0.1.25"}

@@ -1,0 +1,187 @@
+"""Multi-turn episodes on a scripted sampler: turns, replies, masks, limits, failures, concurrency."""
+
+import asyncio
+import threading
+
+import pytest
+
+from alignflow.core import Sampler
+from alignflow.core.environments import Environment, Step
+from alignflow.core.environments.episodes import EpisodeError, Episodes, concurrently, episode_metrics
+from alignflow.core.sampling import Generation
+from alignflow.core.spec.settings import GenerationSettings
+from alignflow.core.task.tokenizer import build_char_tokenizer
+from alignflow.plugins.math_tools import MathTools
+
+TOK = build_char_tokenizer(1024)
+GEN = GenerationSettings(max_new_tokens=40, temperature=1.0)
+ROWS = [{"prompt": "7*8=", "answer": "56"}, {"prompt": "6*7=", "answer": "42"}]
+
+
+class Scripted(Sampler):
+    """Writes `script(context_text, turn)` for every context, with log-prob -1 per token; the stop token after
+    it unless `max_new_tokens` cuts it first."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.calls = script, []
+
+    def generate(self, prompt_ids, n, gen, seed):
+        self.calls.append((len(prompt_ids), n, gen.max_new_tokens, seed))
+        rows, texts, cut = [], [], []
+        for ids in prompt_ids:
+            for _ in range(n):
+                full = TOK(self.script(TOK.decode(ids), len(self.calls) - 1), add_special_tokens=False).input_ids
+                full += [TOK.eos_token_id]
+                rows.append(full[: gen.max_new_tokens])
+                cut.append(len(full) > gen.max_new_tokens)
+                texts.append(TOK.decode(rows[-1], skip_special_tokens=True))
+        index = [i for i in range(len(prompt_ids)) for _ in range(n)]
+        return Generation(index, rows, texts, cut, [[-1.0] * len(r) for r in rows])
+
+
+def solve(context, turn):
+    """Calls the calculator on the prompt's product, then answers with the result it was given."""
+    if "<result>" not in context:
+        return f"<call>calculator {context.rstrip('=')}</call>"
+    return f"<answer>{context.rsplit('<result>', 1)[1].split('</result>')[0]}</answer>"
+
+
+def episodes(env=MathTools, **kw):
+    return Episodes(env, env.Config(), **kw)
+
+
+def test_a_tool_call_then_an_answer():
+    sampler = Scripted(solve)
+    g = episodes().generate(sampler, TOK, ROWS, 2, GEN, seed=5)
+    assert g.texts == ["<call>calculator 7*8</call><result>56</result><answer>56</answer>"] * 2 + \
+        ["<call>calculator 6*7</call><result>42</result><answer>42</answer>"] * 2
+    assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
+                          "ended": ["done"] * 4}
+    assert g.prompt_ids == [TOK("7*8=").input_ids] * 2 + [TOK("6*7=").input_ids] * 2
+    assert g.truncated == [False] * 4
+    # the environment's reply is the only context: no loss and no sampler log-prob on it
+    ids, mask, lp = g.completion_ids[0], g.loss_mask[0], g.logprobs[0]
+    assert TOK.decode([t for t, m in zip(ids, mask) if not m]) == "<result>56</result>"
+    assert [x for x, m in zip(lp, mask) if not m] == [0.0] * mask.count(0)
+    assert [x for x, m in zip(lp, mask) if m] == [-1.0] * mask.count(1)
+    # one sampler call per turn for every running episode, each turn seeded apart
+    assert [c[:2] for c in sampler.calls] == [(4, 1), (4, 1)] and sampler.calls[0][3] != sampler.calls[1][3]
+    assert episode_metrics(g.episodes)["episode/tool_calls"] == 1.0
+
+
+def always_call(context, turn):
+    return "<call>calculator 1+1</call>"
+
+
+@pytest.mark.parametrize("limits, ended, turns", [
+    ({"max_turns": 3}, "max_turns", 3),  # the third turn still calls a tool: no turn is left to answer
+    ({"max_turns": 9, "max_tokens": 60}, "max_tokens", 2),  # a call is 28 tokens, a reply 18: the second call is cut at 60
+])
+def test_limits_end_episodes_and_say_which(limits, ended, turns):
+    g = episodes(**limits).generate(Scripted(always_call), TOK, ROWS[:1], 1, GEN, seed=0)
+    assert g.episodes["ended"] == [ended] and g.episodes["turns"] == [turns] and g.truncated == [True]
+    assert g.episodes["reward"] == [0.0]
+    if "max_tokens" in limits:
+        assert len(g.completion_ids[0]) == limits["max_tokens"]
+
+
+def test_a_turn_without_a_stop_token_ends_its_episode():
+    g = episodes().generate(Scripted(solve), TOK, ROWS[:1], 1, GEN.model_copy(update={"max_new_tokens": 10}), 0)
+    assert g.episodes["ended"] == ["turn_tokens"] and g.episodes["turns"] == [1] and g.texts == ["<call>calc"]
+
+
+def test_tool_errors_are_observations_and_counted():
+    script = lambda c, t: "<call>abacus 1</call>" if t == 0 else "<answer>56</answer>"  # noqa: E731
+    g = episodes().generate(Scripted(script), TOK, ROWS[:1], 1, GEN, seed=0)
+    assert g.texts == ["<call>abacus 1</call><result>error: unknown tool 'abacus' (tools: calculator)</result>"
+                       "<answer>56</answer>"]
+    assert g.episodes["tool_errors"] == [1] and g.episodes["reward"] == [1.0]
+
+
+class Flaky(MathTools):
+    closed = []
+
+    def reset(self, row, seed):
+        if row["prompt"] == "boom":
+            raise KeyError("seed_column")
+        return super().reset(row, seed)
+
+    def step(self, turn):
+        if self.answer == "42":
+            raise RuntimeError("the game crashed")
+        return super().step(turn)
+
+    def close(self):
+        Flaky.closed.append(self.answer)
+
+
+def test_a_failing_step_ends_that_episode_only_and_every_episode_is_closed():
+    Flaky.closed.clear()
+    g = episodes(Flaky).generate(Scripted(solve), TOK, ROWS, 1, GEN, seed=0)
+    assert g.episodes["ended"] == ["done", "error"] and g.episodes["reward"] == [1.0, 0.0]
+    assert sorted(Flaky.closed) == ["42", "56"]
+
+
+def test_a_failing_reset_names_the_row():
+    with pytest.raises(EpisodeError, match=r"failed to start an episode on row 1 \('boom'\): KeyError"):
+        episodes(Flaky, name="flaky").generate(Scripted(solve), TOK, [ROWS[0], {"prompt": "boom"}], 1, GEN, 0)
+
+
+class AsyncTools(MathTools):
+    """Every step waits until all 4 episodes of the batch are inside a step: only concurrent steps finish."""
+
+    inside, everyone = 0, None
+
+    async def step(self, turn):
+        if AsyncTools.everyone is None:  # an Event of the loop that runs the steps
+            AsyncTools.everyone = asyncio.Event()
+        AsyncTools.inside += 1
+        if AsyncTools.inside % 4 == 0:
+            AsyncTools.everyone.set()
+        await asyncio.wait_for(AsyncTools.everyone.wait(), timeout=20)
+        return super().step(turn)
+
+
+class ThreadedTools(MathTools):
+    barrier = threading.Barrier(4, timeout=20)
+
+    def step(self, turn):
+        ThreadedTools.barrier.wait()  # raises BrokenBarrierError unless 4 steps run at once
+        return super().step(turn)
+
+
+@pytest.mark.parametrize("env", [AsyncTools, ThreadedTools])
+def test_the_episodes_of_a_batch_step_concurrently(env):
+    g = episodes(env).generate(Scripted(solve), TOK, ROWS, 2, GEN, seed=0)
+    assert g.episodes["ended"] == ["done"] * 4 and g.episodes["reward"] == [1.0] * 4
+    assert env is ThreadedTools or AsyncTools.inside == 8  # two turns of four episodes
+
+
+def test_concurrently_works_inside_a_running_event_loop():
+    async def main():
+        return concurrently([(lambda x: x * 2, 3), (asyncio.sleep, 0, "done")])
+
+    assert asyncio.run(main()) == [6, "done"]
+
+
+class Game(Environment):
+    """Guess a number: each wrong guess gets a hint and -0.1; the right one ends it with 1."""
+
+    def reset(self, row, seed):
+        self.secret = seed % 10
+        return "guess 0-9:"
+
+    def step(self, turn):
+        guess = int(turn.text.strip() or -1)
+        if guess == self.secret:
+            return Step(reward=1.0, done=True)
+        return Step("higher" if guess < self.secret else "lower", reward=-0.1)
+
+
+def test_per_turn_rewards_add_up_and_a_group_starts_alike():
+    script = lambda c, t: str(t)  # noqa: E731  guesses 0, 1, 2, ...
+    g = Episodes(Game, None, max_turns=10).generate(Scripted(script), TOK, [{"prompt": ""}], 2, GEN, seed=0)
+    secret = (0 * 104_723 + 0) % 10  # seeds.episode(seed, row) for row 0
+    assert g.episodes["turns"] == [secret + 1] * 2
+    assert g.episodes["reward"] == [pytest.approx(1.0 - 0.1 * secret)] * 2
