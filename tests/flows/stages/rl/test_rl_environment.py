@@ -14,6 +14,7 @@ from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import run_evaluate
 from alignflow.flows.stages.rl.stage import run_rl
 from helpers.plugins import registered
+from helpers.stopping import stop_early
 
 
 class Echo(Environment):
@@ -39,19 +40,12 @@ def plugins():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model, tmp_path_factory):
-    """The tiny model, made to end its turns after a few tokens (a random one rarely draws the stop token):
-    a bias on the last layer's values adds a constant to every position's hidden state (attention weights sum
-    to 1), and the stop token's output row along their mean gives it a logit of ~4 everywhere."""
+    """The tiny model, made to end its turns after a few tokens."""
     import shutil
 
     out = tmp_path_factory.mktemp("stopping")
     shutil.copytree(tiny_model(), out, dirs_exist_ok=True)
-    model = load_model(out)
-    v = model.model.layers[-1].self_attn.v_proj
-    with torch.no_grad():
-        v.bias.copy_(torch.linspace(-3, 3, v.bias.numel()))
-        mean = model.model(input_ids=torch.randint(4, 200, (8, 24))).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[model.config.eos_token_id] = 4.0 * mean / mean.norm() ** 2
+    model = stop_early(load_model(out))
     model.save_pretrained(out)
     return out
 

@@ -1,0 +1,20 @@
+"""The built-in `python` tool runs the model's code in the sandbox; a failure is an error observation."""
+
+import pytest
+
+from alignflow.core.environments import ToolCall, call_tools, python
+
+pytestmark = pytest.mark.system  # each call starts a sandboxed interpreter
+
+
+def test_python_prints_and_failures_are_counted_observations():
+    calls = [ToolCall("python", {"code": "print(sum(range(10)))"}),
+             ToolCall("python", {"code": "raise SystemExit('bad input')"}),
+             ToolCall("python", {"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=2)"}),
+             ToolCall("python", {"code": "while True: pass"})]
+    messages, errors = call_tools([python], calls)
+    assert messages[0]["content"] == "45"
+    assert errors == 3
+    assert "bad input" in messages[1]["content"] and messages[1]["content"].startswith("error: python raised")
+    assert "OSError" in messages[2]["content"] or "Network" in messages[2]["content"]  # no network in the sandbox
+    assert "TimeoutError" in messages[3]["content"] or "exit -" in messages[3]["content"]  # CPU or wall limit
