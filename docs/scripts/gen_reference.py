@@ -117,13 +117,13 @@ def settings_page() -> str:
 def plugins_page() -> str:
     """Every built-in plugin with its config fields, from the registry."""
     from alignflow.core.describe import plugin_fields_table
-    from alignflow.core.plugins import get_plugins
+    from alignflow.core.plugins import KINDS, get_plugins
 
     entries = [e for e in get_plugins().entries() if e.distribution == "alignflow"]
     out = ["# Built-in plugins", "", "Generated from the plugin registry at build time (`alignflow plugins show "
            "NAME` prints the same for any installed plugin). Config fields go under the plugin's `config:` in a "
            "pipeline.", ""]
-    for kind in ("algorithm", "reward", "sampler", "selector"):
+    for kind in KINDS.values():  # every plugin kind, in the hooks' order
         out += [f"## {kind.capitalize()}s", ""]
         for entry in (e for e in entries if e.kind == kind):
             stage = getattr(entry.obj, "stage", "") if kind == "algorithm" else ""
