@@ -203,10 +203,16 @@ def cmd_run(args) -> int:
 
 
 def cmd_data(args) -> int:
-    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged), or write a
-    reasoning-gym task's rows (`data reasoning-gym TASK`)."""
+    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged), the tool-use task's
+    (`data tool-use`), or write a reasoning-gym task's rows (`data reasoning-gym TASK`)."""
     if args.source == "reasoning-gym":
         return _reasoning_gym_data(args)
+    if args.source == "tool-use":
+        from alignflow.core.task.tool_use import write_tool_datasets
+
+        for name, path in write_tool_datasets(Path(args.out)).items():
+            console.print(f"{name}: {path}")
+        return 0
     if (Path.cwd() / DATA_DIR).is_dir() and not args.force:
         console.print(f"{DATA_DIR}/ exists; pass --force to rewrite it")
         return 0
@@ -221,9 +227,15 @@ def _reasoning_gym_data(args) -> int:
     from alignflow.plugins.reasoning_gym import task_rows
 
     config = dict(_key_value(item) for item in args.config)
+    exclude = set()
+    for path in args.exclude:
+        try:
+            exclude |= {json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()}
+        except (OSError, ValueError, KeyError) as exc:
+            raise AlignflowError(f"--exclude {path}: expected a JSONL file of rows with a prompt ({exc})") from None
     out = Path(args.out or f"{DATA_DIR}-reasoning-gym/{args.task}-seed{args.seed}-{args.size}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out, task_rows(args.task, args.size, args.seed, config))
+    write_jsonl(out, task_rows(args.task, args.size, args.seed, config, exclude))
     console.print(f"{args.task}: {args.size} rows (seed {args.seed}) -> {out}")
     return 0
 
@@ -316,12 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rewrite data/ even when it exists")
     p.set_defaults(func=cmd_data, source=None)
     sources = p.add_subparsers(dest="source")
+    q = sources.add_parser("tool-use", help="the bundled tool-use task: a sloppy teacher's transcripts, rl and "
+                           "test prompts (the same bytes each time)")
+    q.add_argument("--out", default="data-tool-use", help="the folder to write (default data-tool-use)")
     q = sources.add_parser("reasoning-gym", help="rows of a reasoning-gym task, generated from a seed")
     q.add_argument("task", help="the task's name, e.g. chain_sum, basic_arithmetic, leg_counting")
     q.add_argument("--size", type=int, default=500, help="rows (default 500)")
-    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0); row i comes from seed + i, "
+                   "so sets from seeds closer than their size share rows")
     q.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="the task's own options, e.g. min_terms=2 (repeatable)")
+    q.add_argument("--exclude", action="append", default=[], metavar="JSONL",
+                   help="skip rows whose prompt is in this file (a training set, for a test set); repeatable")
     q.add_argument("--out", help="the JSONL to write (default data-reasoning-gym/TASK-seedS-N.jsonl)")
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)

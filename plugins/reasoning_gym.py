@@ -26,17 +26,34 @@ def library():
     return reasoning_gym
 
 
-def task_rows(task: str, size: int, seed: int, config: dict[str, Any] | None = None) -> list[dict]:
+def task_rows(task: str, size: int, seed: int, config: dict[str, Any] | None = None,
+              exclude: set[str] = frozenset()) -> list[dict]:
     """`size` rows of task `task` generated from `seed`: prompt (the question), answer, completion (the answer
-    in `<answer>` tags, for sft), task, and the metadata its verifier reads."""
+    in `<answer>` tags, for sft), task, and the metadata its verifier reads. Rows whose prompt is in `exclude`
+    (a training set's, for a test set) are skipped and generation goes on.
+
+    reasoning-gym draws row i from seed + i: row sets from seeds closer than their size share rows.
+    """
     rg = library()
-    try:
-        dataset = rg.create_dataset(task, size=size, seed=seed, **(config or {}))
-    except (KeyError, ValueError) as exc:
-        known = ", ".join(sorted(rg.factory.DATASETS))
-        raise AlignflowError(f"reasoning-gym task {task!r}: {exc} (tasks: {known})") from None
-    return [{"prompt": e["question"], "answer": str(e["answer"]), "completion": f"<answer>{e['answer']}</answer>",
-             "task": task, "metadata": json.dumps(e["metadata"], sort_keys=True, default=str)} for e in dataset]
+    rows, start = [], seed
+    while len(rows) < size:
+        want = size - len(rows)
+        try:
+            dataset = rg.create_dataset(task, size=want, seed=start, **(config or {}))
+        except (KeyError, ValueError, TypeError) as exc:
+            known = ", ".join(sorted(rg.factory.DATASETS))
+            raise AlignflowError(f"reasoning-gym task {task!r}: {exc} (tasks: {known})") from None
+        rows += [_row(task, e) for e in dataset if e["question"] not in exclude]
+        start += want  # the next rows of the same stream
+        if start - seed > 100 * size:
+            raise AlignflowError(f"reasoning-gym task {task!r}: fewer than {size} rows outside the excluded ones")
+    return rows
+
+
+def _row(task: str, entry: dict) -> dict:
+    return {"prompt": entry["question"], "answer": str(entry["answer"]),
+            "completion": f"<answer>{entry['answer']}</answer>", "task": task,
+            "metadata": json.dumps(entry["metadata"], sort_keys=True, default=str)}
 
 
 def reasoning_gym(prompts: list[str], completions: list[str], answer: list, task: list[str], metadata: list,

@@ -178,6 +178,44 @@ def truncate(prompt_ids: list[int], completion_ids: list[int], max_length: int):
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids, status
 
 
+def conversation_ids(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation with several assistant turns, built as a rollout builds an episode
+    (core/environments/chat.py): every assistant turn is its text's tokens and EOS, labelled; the other
+    messages between them (tool results in the tool-call format the tokenizer's template implies) are
+    rendered by the chat template, tokenised once, and not labelled. So a model trained on a transcript sees
+    the ids it would see playing the episode."""
+    from alignflow.core.environments.chat import Transcript
+    from alignflow.core.environments.tools import tool_format
+
+    fmt = tool_format("auto", tokenizer)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    transcript = Transcript(tokenizer, messages[:first])
+    i = first
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            text = messages[i]["content"]
+            transcript.add_turn(tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id],
+                                None, text)
+            i += 1
+            continue
+        end = next((j for j in range(i, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        if end == len(messages):  # messages after the last assistant turn teach nothing
+            break
+        reply = [fmt.result(m) if m["role"] == "tool" else m for m in messages[i:end]]
+        transcript.add_reply(reply, transcript.reply_ids(reply))
+        i = end
+    labels = [IGNORE_INDEX] * len(transcript.prompt_ids)
+    labels += [t if m else IGNORE_INDEX for t, m in zip(transcript.ids, transcript.mask)]
+    return transcript.prompt_ids + transcript.ids, labels
+
+
+def truncate_labelled(ids: list[int], labels: list[int], max_length: int):
+    """(input_ids, labels, status) of a labelled sequence cut from the right; dropped if nothing labelled is left."""
+    if not any(x != IGNORE_INDEX for x in labels[:max_length]):
+        return [], [], DROPPED
+    return ids[:max_length], labels[:max_length], TRUNCATED if len(ids) > max_length else OK
+
+
 def _completions(tokenizer, texts: list[str]) -> list[list[int]]:
     """Completion token ids, each ending in EOS (once) so the model learns to stop."""
     eos = tokenizer.eos_token_id
@@ -198,8 +236,13 @@ def _sft_batch(batch, tokenizer, max_length):
     prompts, chat_completions = _prompts(tokenizer, batch)
     completions = _completions(tokenizer, chat_completions or batch["completion"])
     out = {"input_ids": [], "labels": [], "_status": []}
-    for p, c in zip(prompts, completions):
-        for key, value in zip(("input_ids", "labels", "_status"), truncate(p, c, max_length)):
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        messages = batch["messages"][i] if "messages" in batch else None
+        if messages is not None and sum(m["role"] == "assistant" for m in messages) > 1:
+            row = truncate_labelled(*conversation_ids(tokenizer, messages), max_length)
+        else:
+            row = truncate(p, c, max_length)
+        for key, value in zip(("input_ids", "labels", "_status"), row):
             out[key].append(value)
     if "label" in batch:  # unpaired rows keep their desirable/undesirable label
         out["label"] = batch["label"]

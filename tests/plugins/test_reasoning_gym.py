@@ -27,6 +27,16 @@ def test_rows_are_a_function_of_task_size_seed_and_config():
     assert all(len(json.loads(r["metadata"])["expression"].split()) == 3 for r in small)
 
 
+def test_a_test_set_can_leave_out_a_training_sets_prompts():
+    train = task_rows("chain_sum", 200, seed=0, config={"max_digits": 1, "max_terms": 2})
+    test = task_rows("chain_sum", 50, seed=10, config={"max_digits": 1, "max_terms": 2},
+                     exclude={r["prompt"] for r in train})
+    assert len(test) == 50 and not {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    # row i comes from seed + i: without the exclusion, nearby seeds share rows
+    prompts = lambda rows: [r["prompt"] for r in rows]  # noqa: E731
+    assert prompts(task_rows("chain_sum", 5, seed=1)) == prompts(task_rows("chain_sum", 6, seed=0)[1:])
+
+
 def test_the_tasks_own_verifier_scores_the_answer_tag():
     rows = task_rows("chain_sum", 3, seed=1) + task_rows("leg_counting", 2, seed=1)
     right = [f"I think <answer>{r['answer']}</answer>" for r in rows]

@@ -103,6 +103,23 @@ def test_chat_rows_mask_everything_but_the_last_assistant_turn(tmp_path, tok):
     assert labels.count(IGNORE_INDEX) == 6 and labels[6:] == [tok.convert_tokens_to_ids("3"), tok.eos_token_id]
 
 
+def test_multi_turn_chat_rows_learn_every_assistant_turn_and_no_tool_result(tmp_path, tok):
+    """A transcript with several assistant turns: each turn's tokens and its EOS are labelled, the tool result
+    between them (in the tag form the tiny template implies) is context, and the ids are those an episode
+    of the same conversation is built from."""
+    convo = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": "<call>calculator 12*34</call>"},
+             {"role": "tool", "content": "408"}, {"role": "assistant", "content": "<answer>408</answer>"}]
+    out, stats = tokenize(_load(tmp_path, [{"messages": convo}], "sft"), tok, max_length=128)
+    ids, labels = out[0]["input_ids"], out[0]["labels"]
+    assert tok.decode(ids) == "12*34=<call>calculator 12*34</call></s><result>408</result><answer>408</answer></s>"
+    learned = [t for t, label in zip(ids, labels) if label != IGNORE_INDEX]
+    assert learned == [t for t, label in zip(ids, labels) if label == t]  # labels are the ids themselves
+    assert tok.decode(learned) == "<call>calculator 12*34</call></s><answer>408</answer></s>"
+    # cut inside the second turn: still kept (the first turn is labelled), counted as truncated
+    out, stats = tokenize(_load(tmp_path, [{"messages": convo}], "sft", "b.jsonl"), tok, max_length=40)
+    assert stats == {"rows": 1, "truncated": 1, "dropped": 0} and len(out[0]["input_ids"]) == 40
+
+
 def test_truncation_counts_and_policy(tmp_path, tok):
     rows = [{"prompt": "1+2=", "completion": "3"},  # 4 + 2 tokens: fits
             {"prompt": "12+34=", "completion": "46464646"},  # 6 + 9: completion cut
