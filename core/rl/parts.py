@@ -124,18 +124,23 @@ def last_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
     """GAE (Schulman et al. 2015): A_t = sum_l (gamma lam)^l delta_{t+l}; returns A + V. Both [B, T].
 
-    delta_t = r_t + gamma V_{t+1} - V_t with V = 0 past the last response token.
+    delta_t = r_t + gamma V_{t'} - V_t, t' the next position in `mask` (V = 0 past the last). Positions outside
+    the mask are not time steps: in a multi-turn episode the environment's tokens between two model turns
+    neither decay nor carry the advantage, so the last token of a turn bootstraps from the next turn's first.
     """
     mask = mask.to(values.dtype)
     values, rewards = values * mask, rewards * mask
+    valid = mask.bool()
     advantages = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(running)
     # The recursion runs backwards in time; every library loops over T here (vectorised over B).
     for t in reversed(range(values.shape[-1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[-1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        advantages[:, t] = running
+        step = delta + gamma * lam * running
+        advantages[:, t] = step
+        running = torch.where(valid[:, t], step, running)
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
     advantages = advantages * mask
     return advantages, (advantages + values) * mask
 

@@ -116,6 +116,21 @@ def test_gae_matches_recursion():
     torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.6, 1.0], [b0 + 0.2, 1.0, 0.0]]))
 
 
+def test_gae_skips_the_environments_tokens_between_model_turns():
+    """A prompt token, turn 1 (2 tokens), the environment's reply (3 tokens), turn 2 (2 tokens): the model's
+    tokens get the advantages and returns of the same episode with the reply left out, the reply none."""
+    model = torch.tensor([[0, 1, 1, 0, 0, 0, 1, 1]])
+    rewards = torch.tensor([[0.0, 0.0, 0.2, 7.0, 7.0, 7.0, 0.0, 1.0]])  # the reply's "rewards" must not count
+    values = torch.tensor([[0.5, 0.5, 0.6, 9.0, 9.0, 9.0, 0.7, 0.1]])
+    keep = model[0].bool()
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.7)):
+        compact_adv, compact_ret = gae(rewards[:, keep], values[:, keep], torch.ones(1, 4), gamma, lam)
+        adv, ret = gae(rewards, values, model, gamma, lam)
+        torch.testing.assert_close(adv[0, keep], compact_adv[0])
+        torch.testing.assert_close(ret[0, keep], compact_ret[0])
+        assert adv[0, ~keep].abs().sum() == 0 and ret[0, ~keep].abs().sum() == 0
+
+
 def test_gae_with_discount():
     adv, _ = gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.5]]), torch.ones(1, 2), gamma=0.9, lam=0.5)
     # delta1 = 1 - 0.5; delta0 = 0 + 0.9*0.5 - 0.5; A0 = delta0 + 0.9*0.5*delta1

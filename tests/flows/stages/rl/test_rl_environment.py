@@ -18,11 +18,16 @@ from helpers.stopping import stop_early
 
 
 class Echo(Environment):
-    """Replies to every turn; the reward is the share of ASCII characters in the turns, ended by max_turns."""
+    """Replies to every turn, ends only at max_turns; a turn's reward is half its share of ASCII characters,
+    and the first turn of an odd-numbered prompt ("1*1=", "3*3=") earns 1 more, so the prompts' returns differ."""
+
+    def reset(self, row, seed):
+        self.bonus = float(int(row["prompt"].split("*")[0]) % 2)
+        return row["prompt"]
 
     def step(self, turn):
         score = sum(c.isascii() for c in turn.text) / max(len(turn.text), 1)
-        return Step(f"\n[{turn.index}]\n", reward=score / 2)
+        return Step(f"\n[{turn.index}]\n", reward=score / 2 + (self.bonus if turn.index == 0 else 0.0))
 
 
 class TestEnvironments:
@@ -55,10 +60,10 @@ def rows(path, n=4):
     return path
 
 
-def rl_ctx(root, plugins, model, dataset, log, environment, **settings):
+def rl_ctx(root, plugins, model, dataset, log, environment, algorithm="grpo", **settings):
     base = dict(max_steps=2, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3,
                 generation={"max_new_tokens": 6}, save_every=1)
-    spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": str(dataset)}, algorithm="grpo",
+    spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": str(dataset)}, algorithm=algorithm,
                      environment=environment, sampler="hf")
     (root / "work").mkdir(parents=True, exist_ok=True)
     return StageContext("rl", spec, RLSettings(**{**base, **settings}), {"model": model, "dataset": dataset},

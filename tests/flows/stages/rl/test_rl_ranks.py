@@ -8,6 +8,7 @@ from alignflow.core.plugins import get_plugins
 from alignflow.flows.launch.ranks import run_in_processes
 from alignflow.flows.stages.rl.stage import check_ranks, run_rl
 from recording import Samplers
+from test_rl_environment import ECHO, TestEnvironments, rl_ctx, rows
 from test_rl_stage import TestRewards, make_ctx, weights, with_prm, write_rows
 
 pytestmark = pytest.mark.system
@@ -18,7 +19,9 @@ def plugins():
     p = get_plugins()
     p.add(TestRewards, "test_rl_stage")
     p.add(Samplers, "recording")
+    p.add(TestEnvironments, "test_rl_environment")
     yield p
+    p.remove("test_rl_environment")
     p.remove("recording")
     p.remove("test_rl_stage")
 
@@ -26,6 +29,34 @@ def plugins():
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     return tiny_model()
+
+
+def test_two_ranks_play_and_train_on_the_episodes_one_process_does(tmp_path, plugins, tiny_model):
+    """PPO on greedy multi-turn episodes (alike whatever a rank's seed): each rank plays its prompts' episodes,
+    every rank then holds them all with their loss masks and episode records; metrics and weights agree."""
+    import shutil
+
+    from alignflow.core.train.models import load_model
+    from helpers.stopping import stop_early
+
+    model = tmp_path / "stopping"
+    shutil.copytree(tiny_model(), model)
+    stop_early(load_model(model)).save_pretrained(model)
+    data = rows(tmp_path / "rl.jsonl")
+    settings = dict(group_size=2, micro_batch_size=2, generation={"max_new_tokens": 6, "temperature": 0.0})
+    runs = {}
+    for ranks in (1, 2):
+        log = []
+        ctx = rl_ctx(tmp_path / f"ranks{ranks}", plugins, model, data, log, ECHO, "ppo", **settings)
+        runs[ranks] = (run_rl(ctx) if ranks == 1 else run_in_processes("rl", ctx, threads=1, ranks=2)), log
+    (one, one_log), (two, two_log) = runs[1], runs[2]
+    assert one_log[0][1]["episode/turns"] > 1
+    for (_, a), (_, b) in zip(one_log, two_log):
+        for key in a:
+            if not key.startswith(("time/", "perf/tokens_per_s", "perf/completions_per_s")):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    a, b = weights(one.outputs["model"]), weights(two.outputs["model"])
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4  # Adam steps of ~1e-3: float rounding
 
 
 @pytest.mark.parametrize("algorithm,zero", [("ppo", 0), ("ppo", 2), ("ppo_process", 0)])
