@@ -60,8 +60,8 @@ class Episodes:
                     raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
                                             f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
             tools = {fn.__name__: tool_schema(fn) for fn in envs[0].tools()} if envs else {}  # alike in every episode
-            runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None))
-                    for env, first in zip(envs, firsts)]
+            runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
+                         as_messages(first)) for env, first in zip(envs, firsts)]
             has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools)
         finally:
             for result in concurrently([(env.close,) for env in envs]):
@@ -78,7 +78,7 @@ class Episodes:
             loss_mask=[r.transcript.mask for r in runs],
             episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
                       "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
-                      "ended": [r.ended for r in runs]},
+                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs]},
         )
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
@@ -99,6 +99,7 @@ class Episodes:
                 lps = None if out.logprobs is None else out.logprobs[k][: len(ids)]
                 text = tokenizer.decode(ids, skip_special_tokens=True)
                 r.transcript.add_turn(ids, lps, text)
+                r.messages.append({"role": "assistant", "content": text})
                 r.turns += 1
                 if len(ids) < len(out.completion_ids[k]) or out.truncated[k]:
                     # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is the episode
@@ -116,8 +117,9 @@ class Episodes:
 class _Run:
     """One running episode."""
 
-    def __init__(self, env: Environment, transcript: Transcript):
+    def __init__(self, env: Environment, transcript: Transcript, first: list):
         self.env, self.transcript = env, transcript
+        self.messages = list(first)  # the conversation as written (tool results unformatted): an sft row
         self.reward, self.turns, self.tool_calls, self.tool_errors = 0.0, 0, 0, 0
         self.ended: str | None = None
 
@@ -138,12 +140,14 @@ class _Run:
         if last:
             self.ended = "max_turns"
             return
-        reply = [fmt.result(m) if m.get("role") == "tool" else m for m in as_messages(answer.observation)]
+        said = as_messages(answer.observation)
+        reply = [fmt.result(m) if m.get("role") == "tool" else m for m in said]
         ids = self.transcript.reply_ids(reply)
         if len(self.transcript.ids) + len(ids) >= budget:  # no room for the reply and a turn after it
             self.ended = "max_tokens"
             return
         self.transcript.add_reply(reply, ids)
+        self.messages += said
 
 
 def concurrently(calls: list[tuple]) -> list[Any]:

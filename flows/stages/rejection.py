@@ -1,7 +1,8 @@
 """The `rejection_sampling` stage: sample `n` completions per prompt, score them, keep what passes.
 
 `output: sft` writes the best-scoring completion of each prompt when it is correct (R1's rejection
-sampling SFT data); `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
+sampling SFT data; with an environment, the best episode's conversation as a `messages` row, which an sft
+stage learns every model turn of); `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
 (preference data sampled from the policy): the best correct completion against the best incorrect
 one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first; `output: self_play`
 reads prompt/completion rows (SFT data) and writes SPIN's pairs: the data's completion as chosen against the
@@ -13,6 +14,7 @@ model, prompts and seed write the same rows.
 
 from __future__ import annotations
 
+from alignflow.core.errors import SpecError
 from alignflow.core.train.datasets import load_rows
 from alignflow.core.train.dist import rank_and_world
 from alignflow.core.spec.settings import sampled_rows
@@ -48,11 +50,15 @@ def distinct_best(candidates: list[int], texts: list[str], total: list[float], k
 def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[dict]:
     """The dataset rows to write: the prompt's other columns kept, plus the kept completions' rewards."""
     texts, total = scored.generation.texts, scored.rewards.total
+    episodes = scored.generation.episodes
     out = []
     for row, (correct, incorrect) in zip(scored.rows, by_prompt(scored)):
         if output == "sft":
             top = best(correct + incorrect, total)
-            if top in correct:  # the best sample must itself be correct, not merely some sample
+            if top in correct and episodes is not None:  # an episode: its conversation, every turn to learn
+                kept = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
+                out.append({**kept, "messages": episodes["messages"][top], "reward": total[top]})
+            elif top in correct:  # the best sample must itself be correct, not merely some sample
                 out.append({**row, "completion": texts[top], "reward": total[top]})
         elif output == "self_play":
             own = [j for j in sorted(correct + incorrect) if texts[j] != row["completion"]]
@@ -70,6 +76,9 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
 def run_rejection_sampling(ctx: StageContext) -> StageResult:
     """Generate, score, select and write `data.jsonl`; report accuracy, pass@n and what was kept."""
     s = ctx.settings
+    if ctx.spec.environment is not None and s.output != "sft":
+        raise SpecError(f"stage {ctx.name!r}, settings.output: {s.output!r} writes single-turn pairs; with an "
+                        "environment only `sft` (each prompt's best episode as a conversation) is supported")
     rows = load_rows(ctx.inputs["dataset"], sampled_rows(s.output)).to_list()
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),

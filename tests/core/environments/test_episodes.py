@@ -56,8 +56,14 @@ def test_a_tool_call_then_an_answer():
     g = episodes().generate(sampler, TOK, ROWS, 2, GEN, seed=5)
     assert g.texts == ["<call>calculator 7*8</call><result>56</result><answer>56</answer>"] * 2 + \
         ["<call>calculator 6*7</call><result>42</result><answer>42</answer>"] * 2
+    messages = g.episodes.pop("messages")
     assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
                           "ended": ["done"] * 4}
+    # the conversation as played, tool results as the tool returned them (an sft row of it learns both turns)
+    assert messages[0] == [{"role": "user", "content": "7*8="},
+                           {"role": "assistant", "content": "<call>calculator 7*8</call>"},
+                           {"role": "tool", "name": "calculator", "content": "56"},
+                           {"role": "assistant", "content": "<answer>56</answer>"}]
     assert g.prompt_ids == [TOK("7*8=").input_ids] * 2 + [TOK("6*7=").input_ids] * 2
     assert g.truncated == [False] * 4
     # the environment's reply is the only context: no loss and no sampler log-prob on it

@@ -121,3 +121,34 @@ def test_evaluate_scores_episodes_with_the_environment_first(tmp_path, plugins, 
             "episode/tool_errors", "episode/ended_done"} <= set(m)
     samples = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
     assert len(samples) == 8 and all(set(s["rewards"]) == {"math_tools", "math_accuracy"} for s in samples)
+
+
+def test_rejection_sampling_keeps_each_prompts_best_episode_as_a_conversation(tmp_path, plugins, tiny):
+    from alignflow.core.spec.settings import SampleSettings
+    from alignflow.core.train.datasets import conversation_ids
+    from alignflow.core.train.models import load_tokenizer
+    from alignflow.flows.stages.rejection import run_rejection_sampling
+
+    data = rows(tmp_path / "prompts.jsonl")
+    (tmp_path / "work").mkdir()
+
+    def ctx(output):
+        spec = StageSpec(kind="rejection_sampling", inputs={"model": str(tiny), "dataset": str(data)},
+                         environment=ECHO, sampler="hf")
+        settings = SampleSettings(n=2, output=output, generation={"max_new_tokens": 6, "temperature": 1.0})
+        return StageContext("rs", spec, settings, {"model": tiny, "dataset": data}, tmp_path / "work",
+                            tmp_path / "checkpoints", 0, lambda m, s: None, plugins)
+
+    result = run_rejection_sampling(ctx("sft"))
+    kept = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
+    # the odd prompts' episodes earn >= 1 (correct), the even ones' < 1
+    assert sorted(r["messages"][0]["content"] for r in kept) == ["1*1=", "3*3="]
+    tok = load_tokenizer(tiny)
+    for r in kept:
+        assert r["answer"] in ("1", "9") and r["reward"] >= 1 and "prompt" not in r
+        turns = [m for m in r["messages"] if m["role"] == "assistant"]
+        ids, labels = conversation_ids(tok, r["messages"])
+        assert len(turns) >= 1 and sum(label != -100 for label in labels) == sum(
+            len(tok(t["content"], add_special_tokens=False).input_ids) + 1 for t in turns)
+    with pytest.raises(SpecError, match="settings.output: 'pairs' writes single-turn pairs"):
+        run_rejection_sampling(ctx("pairs"))
