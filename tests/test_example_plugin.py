@@ -21,6 +21,10 @@ stages:
     kind: preference
     inputs: {model: ./base, dataset: data/pairs.jsonl}
     algorithm: {name: hinge, config: {delta: 0.5}}
+  games:
+    kind: evaluate
+    inputs: {model: "stage:prefs", dataset: data/pairs.jsonl}
+    environment: {name: guess, config: {high: 20}, max_turns: 5}
 """
 
 
@@ -47,7 +51,7 @@ def test_plugins_lists_the_example_with_its_distribution(site):
     out = run(["plugins", "--json"], site)
     assert out.returncode == 0, out.stderr
     rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
-    for key in [("algorithm", "hinge"), ("algorithm", "reinforce"), ("reward", "answer_digits")]:
+    for key in [("algorithm", "hinge"), ("algorithm", "reinforce"), ("reward", "answer_digits"), ("environment", "guess")]:
         assert rows[key]["distribution"] == "alignflow-plugin-example"
         assert rows[key]["version"] == "0.1.0"
         assert rows[key]["description"]
@@ -63,7 +67,7 @@ def test_validate_accepts_a_pipeline_using_it_only_when_installed(site, tmp_path
     (tmp_path / "base").mkdir()  # inputs are checked too, relative to the project: where alignflow runs
     ok = run(["validate", str(pipe)], site, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
-    assert "prefs" in ok.stdout and "hinge" in ok.stdout
+    assert "prefs" in ok.stdout and "hinge" in ok.stdout and "guess" in ok.stdout
     missing = run(["validate", str(pipe)], cwd=tmp_path)
     assert missing.returncode == 1
     assert "stage 'prefs', algorithm.name: unknown algorithm 'hinge'" in missing.stderr

@@ -1,9 +1,10 @@
-"""Registers the example algorithms (a preference loss and an RL algorithm) and reward with alignflow."""
+"""Registers the example algorithms (a preference loss and an RL algorithm), reward and environment with alignflow."""
 
 import re
 
 from alignflow.core import hookimpl
 
+from alignflow_plugin_example.guess import Guess
 from alignflow_plugin_example.hinge import Hinge
 from alignflow_plugin_example.reinforce import Reinforce
 
@@ -34,3 +35,8 @@ def register_algorithms(register):
 @hookimpl
 def register_rewards(register):
     register("answer_digits", answer_digits)
+
+
+@hookimpl
+def register_environments(register):
+    register("guess", Guess)
