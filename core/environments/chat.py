@@ -91,3 +91,31 @@ def as_messages(observation: str | list[Message] | Any) -> list[Message]:
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
     return list(observation)
+
+
+def replay(tokenizer, messages: list[Message]) -> Transcript:
+    """The transcript an episode of this conversation would have: each assistant turn as its text's tokens and
+    EOS (what a sampler returns for it), the messages between them (tool results in the tool-call format the
+    template implies) rendered and tokenised once. What sft learns from a multi-turn conversation, so a model
+    trained on a transcript sees the ids it would see playing the episode; messages after the last assistant
+    turn are left out."""
+    from alignflow.core.environments.tools import tool_format
+
+    fmt = tool_format("auto", tokenizer)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    transcript = Transcript(tokenizer, messages[:first])
+    i = first
+    while i < len(messages):
+        if messages[i]["role"] == "assistant":
+            text = messages[i]["content"]
+            transcript.add_turn(tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id],
+                                None, text)
+            i += 1
+            continue
+        end = next((j for j in range(i, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+        if end == len(messages):
+            break
+        reply = [fmt.result(m) if m["role"] == "tool" else m for m in messages[i:end]]
+        transcript.add_reply(reply, transcript.reply_ids(reply))
+        i = end
+    return transcript

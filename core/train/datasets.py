@@ -180,30 +180,10 @@ def truncate(prompt_ids: list[int], completion_ids: list[int], max_length: int):
 
 def conversation_ids(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """(ids, labels) of a conversation with several assistant turns, built as a rollout builds an episode
-    (core/environments/chat.py): every assistant turn is its text's tokens and EOS, labelled; the other
-    messages between them (tool results in the tool-call format the tokenizer's template implies) are
-    rendered by the chat template, tokenised once, and not labelled. So a model trained on a transcript sees
-    the ids it would see playing the episode."""
-    from alignflow.core.environments.chat import Transcript
-    from alignflow.core.environments.tools import tool_format
+    (core/environments/chat.py `replay`): every assistant turn labelled, the messages between them not."""
+    from alignflow.core.environments.chat import replay
 
-    fmt = tool_format("auto", tokenizer)
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    transcript = Transcript(tokenizer, messages[:first])
-    i = first
-    while i < len(messages):
-        if messages[i]["role"] == "assistant":
-            text = messages[i]["content"]
-            transcript.add_turn(tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id],
-                                None, text)
-            i += 1
-            continue
-        end = next((j for j in range(i, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
-        if end == len(messages):  # messages after the last assistant turn teach nothing
-            break
-        reply = [fmt.result(m) if m["role"] == "tool" else m for m in messages[i:end]]
-        transcript.add_reply(reply, transcript.reply_ids(reply))
-        i = end
+    transcript = replay(tokenizer, messages)
     labels = [IGNORE_INDEX] * len(transcript.prompt_ids)
     labels += [t if m else IGNORE_INDEX for t, m in zip(transcript.ids, transcript.mask)]
     return transcript.prompt_ids + transcript.ids, labels
