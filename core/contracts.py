@@ -51,6 +51,12 @@ class Sampler:
         """Return an `alignflow.core.sampling.Generation` with `n` completions per prompt."""
         raise NotImplementedError
 
+    def generate_episodes(self, episodes: Any, tokenizer: Any, rows: list[dict], n: int, gen: Any, seed: int) -> Any:
+        """`n` multi-turn episodes per row on `episodes`' environment (`alignflow.core.environments.Episodes`),
+        as one Generation. The default runs them here, one `generate` call per turn of every running episode;
+        a sampler that runs episodes elsewhere (a worker, an engine's own agent loop) overrides it."""
+        return episodes.generate(self, tokenizer, rows, n, gen, seed)
+
     def update_weights(self, model: Any) -> None:
         """Take the policy's new weights after an optimizer update."""
         raise NotImplementedError

@@ -58,7 +58,7 @@ class Episodes:
             for i, first in zip(index, firsts):
                 if isinstance(first, BaseException):
                     raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
-                                            f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
+                                       f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
             tools = {fn.__name__: tool_schema(fn) for fn in envs[0].tools()} if envs else {}  # alike in every episode
             runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
                          as_messages(first)) for env, first in zip(envs, firsts)]

@@ -53,9 +53,9 @@ def reward_set(ctx) -> RewardSet:
         refs.append((ref.name, ref.weight, config))
     rewards = RewardSet.from_refs(refs, ctx.plugins)
     env = ctx.spec.environment
-    if env is not None:
-        rewards.rewards.insert(0, Reward(env.name, env.weight, episode_reward))
-    return rewards
+    if env is None:
+        return rewards
+    return RewardSet([Reward(env.name, env.weight, episode_reward), *rewards.rewards])  # labels checked unique
 
 
 def episode_reward(prompts, completions, episode_reward, **columns) -> list[float]:
@@ -149,7 +149,8 @@ def chunks(sampler, tokenizer, rows: list[dict], n: int, gen, seed: int, chunk: 
     with progress("generate", total=sum(len(rows[lo: lo + chunk]) for lo in starts), unit="prompt") as bar:
         for lo in starts:
             if episodes is not None:
-                part = episodes.generate(sampler, tokenizer, rows[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
+                part = sampler.generate_episodes(episodes, tokenizer, rows[lo: lo + chunk], n, gen,
+                                                 seeds.chunk(seed, lo))
             else:
                 part = sampler.generate(ids[lo: lo + chunk], n, gen, seeds.chunk(seed, lo))
             bar.update(len(rows[lo: lo + chunk]), tokens=sum(part.lengths))

@@ -93,8 +93,6 @@ def check_overlap(ctx: StageContext, sampler_cls) -> None:
     if sampler_cls.loads_checkpoint:
         raise SpecError(f"{where}: sampler {ctx.spec.sampler.name!r} runs an engine of its own; overlapped "
                         "rollouts are for samplers that generate on the policy module (`hf`)")
-    if ctx.spec.environment is not None:  # the worker prefetches a step's single-turn round, not its episodes
-        raise SpecError(f"{where}: not yet with an environment (multi-turn episodes); set it false")
 
 
 def process_reward(ctx: StageContext, rewards: RewardSet):

@@ -135,17 +135,18 @@ def test_a_failing_reset_names_the_row():
 
 
 class AsyncTools(MathTools):
-    """Every step waits until all 4 episodes of the batch are inside a step: only concurrent steps finish."""
+    """Every step of a turn waits until all 4 episodes are inside that turn's step: only concurrent steps
+    finish, on every turn (an Event per turn, made by the loop that runs that turn's steps)."""
 
-    inside, everyone = 0, None
+    inside: dict[int, int] = {}
+    everyone: dict[int, asyncio.Event] = {}
 
     async def step(self, turn):
-        if AsyncTools.everyone is None:  # an Event of the loop that runs the steps
-            AsyncTools.everyone = asyncio.Event()
-        AsyncTools.inside += 1
-        if AsyncTools.inside % 4 == 0:
-            AsyncTools.everyone.set()
-        await asyncio.wait_for(AsyncTools.everyone.wait(), timeout=20)
+        everyone = AsyncTools.everyone.setdefault(turn.index, asyncio.Event())
+        AsyncTools.inside[turn.index] = AsyncTools.inside.get(turn.index, 0) + 1
+        if AsyncTools.inside[turn.index] == 4:
+            everyone.set()
+        await asyncio.wait_for(everyone.wait(), timeout=20)
         return super().step(turn)
 
 
@@ -161,7 +162,7 @@ class ThreadedTools(MathTools):
 def test_the_episodes_of_a_batch_step_concurrently(env):
     g = episodes(env).generate(Scripted(solve), TOK, ROWS, 2, GEN, seed=0)
     assert g.episodes["ended"] == ["done"] * 4 and g.episodes["reward"] == [1.0] * 4
-    assert env is ThreadedTools or AsyncTools.inside == 8  # two turns of four episodes
+    assert env is ThreadedTools or AsyncTools.inside == {0: 4, 1: 4}  # two turns of four episodes, each together
 
 
 def test_concurrently_works_inside_a_running_event_loop():

@@ -8,11 +8,12 @@ import torch
 from alignflow.core import SpecError, hookimpl
 from alignflow.core.environments import Environment, Step
 from alignflow.core.spec.schema import StageSpec
-from alignflow.core.spec.settings import EvaluateSettings, RLSettings
+from alignflow.core.spec.settings import EvaluateSettings
 from alignflow.core.train.models import load_model
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.evaluate import run_evaluate
 from alignflow.flows.stages.rl.stage import run_rl
+from tests.flows.stages.rl.test_rl_stage import make_ctx
 from helpers.plugins import registered
 from helpers.stopping import stop_early
 
@@ -61,13 +62,9 @@ def rows(path, n=4):
 
 
 def rl_ctx(root, plugins, model, dataset, log, environment, algorithm="grpo", **settings):
-    base = dict(max_steps=2, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3,
-                generation={"max_new_tokens": 6}, save_every=1)
-    spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": str(dataset)}, algorithm=algorithm,
-                     environment=environment, sampler="hf")
-    (root / "work").mkdir(parents=True, exist_ok=True)
-    return StageContext("rl", spec, RLSettings(**{**base, **settings}), {"model": model, "dataset": dataset},
-                        root / "work", root / "checkpoints", 0, lambda m, step: log.append((step, m)), plugins)
+    """The rl stage on `environment` alone (no other reward), turns of at most 6 tokens."""
+    return make_ctx(root, plugins, model, algorithm, dataset, log, rewards=(), environment=environment,
+                    **{"generation": {"max_new_tokens": 6}, **settings})
 
 
 ECHO = {"name": "echo", "max_turns": 3, "max_tokens": 40}
@@ -102,9 +99,25 @@ def test_resume_on_episodes_gives_the_uninterrupted_weights(tmp_path, plugins, t
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_overlapped_rollouts_refuse_an_environment(tmp_path, plugins, tiny):
-    with pytest.raises(SpecError, match="overlap_rollouts: not yet with an environment"):
-        run_rl(rl_ctx(tmp_path, plugins, tiny, rows(tmp_path / "rl.jsonl"), [], ECHO, overlap_rollouts=True))
+@pytest.mark.system
+def test_overlapped_episodes_with_fixed_weights_are_the_synchronous_ones(tmp_path, plugins, tiny):
+    """lr 0: the worker runs each later step's whole episodes (every turn, the environment stepped there) on
+    the staged weights with the same seeds, so it makes exactly the episodes the stage would have made."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the worker's count: the same kernels, so the same samples on both sides
+    try:
+        data = rows(tmp_path / "rl.jsonl")
+        runs = {}
+        for overlap in (False, True):
+            log = []
+            run_rl(rl_ctx(tmp_path / str(overlap), plugins, tiny, data, log, ECHO, max_steps=3, lr=0.0,
+                          overlap_rollouts=overlap))
+            runs[overlap] = [m for _, m in log[:-1]]
+    finally:
+        torch.set_num_threads(before)
+    assert [m["rollout/staleness"] for m in runs[True]] == [0.0, 1.0, 1.0]
+    for key in ("reward/echo/mean", "episode/turns", "episode/ended_max_turns", "response_length/mean"):
+        assert [m[key] for m in runs[True]] == [m[key] for m in runs[False]], key
 
 
 def test_evaluate_scores_episodes_with_the_environment_first(tmp_path, plugins, tiny):

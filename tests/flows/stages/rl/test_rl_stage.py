@@ -59,11 +59,12 @@ def write_rows(path, answers):
     return path
 
 
-def make_ctx(tmp_path, plugins, model, algorithm, dataset, log, rewards=("ascii_first",), sampler="hf", **settings):
+def make_ctx(tmp_path, plugins, model, algorithm, dataset, log, rewards=("ascii_first",), sampler="hf",
+             environment=None, **settings):
     base = dict(max_steps=2, prompts_per_step=2, group_size=4, micro_batch_size=4, lr=1e-3,
                 generation={"max_new_tokens": 4}, save_every=1)
     spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": str(dataset)}, algorithm=algorithm,
-                     rewards=list(rewards), sampler=sampler)
+                     rewards=list(rewards), sampler=sampler, environment=environment)
     (tmp_path / "work").mkdir(parents=True, exist_ok=True)
     return StageContext("rl", spec, RLSettings(**{**base, **settings}), {"model": model, "dataset": dataset},
                         tmp_path / "work", tmp_path / "checkpoints", 0, lambda m, step: log.append((step, m)),
