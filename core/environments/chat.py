@@ -93,17 +93,18 @@ def as_messages(observation: str | list[Message] | Any) -> list[Message]:
     return list(observation)
 
 
-def replay(tokenizer, messages: list[Message]) -> Transcript:
+def replay(tokenizer, messages: list[Message], tools: list[dict] | None = None) -> Transcript:
     """The transcript an episode of this conversation would have: each assistant turn as its text's tokens and
     EOS (what a sampler returns for it), the messages between them (tool results in the tool-call format the
-    template implies) rendered and tokenised once. What sft learns from a multi-turn conversation, so a model
-    trained on a transcript sees the ids it would see playing the episode; messages after the last assistant
-    turn are left out."""
+    template implies) rendered and tokenised once, and the `tools`' JSON schemas rendered where the template
+    puts them, as an episode with those tools has them. What sft learns from a multi-turn conversation, so a
+    model trained on a transcript sees the ids it would see playing the episode; messages after the last
+    assistant turn are left out."""
     from alignflow.core.environments.tools import tool_format
 
     fmt = tool_format("auto", tokenizer)
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    transcript = Transcript(tokenizer, messages[:first])
+    transcript = Transcript(tokenizer, messages[:first], tools or None)
     i = first
     while i < len(messages):
         if messages[i]["role"] == "assistant":

@@ -78,6 +78,13 @@ def check_row(row: Any, schema: str) -> str | None:
         problem = _check_field(name, row[name], expected)
         if problem:
             return problem
+    if schema == "sft_messages" and row.get("tools") is not None:
+        try:
+            tools = row_tools(row["tools"])
+        except (json.JSONDecodeError, TypeError) as e:
+            return f"field 'tools': expected a list of JSON function schemas (or a JSON string of one): {e}"
+        if not all(isinstance(t, dict) for t in tools or []):
+            return "field 'tools': expected a list of JSON function schemas (objects)"
     if schema == "steps" and len(row["steps"]) != len(row["step_labels"]):
         return f"field 'step_labels': {len(row['step_labels'])} labels for {len(row['steps'])} steps"
     if schema == "steps":
@@ -178,15 +185,34 @@ def truncate(prompt_ids: list[int], completion_ids: list[int], max_length: int):
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids, status
 
 
-def conversation_ids(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """(ids, labels) of a conversation with several assistant turns, built as a rollout builds an episode
-    (core/environments/chat.py `replay`): every assistant turn labelled, the messages between them not."""
+def conversation_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversation with several assistant turns (or with `tools`), built as a rollout
+    builds an episode (core/environments/chat.py `replay`): every assistant turn labelled, the messages
+    between them not, the tools' schemas rendered where the template puts them."""
     from alignflow.core.environments.chat import replay
 
-    transcript = replay(tokenizer, messages)
+    transcript = replay(tokenizer, messages, tools)
     labels = [IGNORE_INDEX] * len(transcript.prompt_ids)
     labels += [t if m else IGNORE_INDEX for t, m in zip(transcript.ids, transcript.mask)]
     return transcript.prompt_ids + transcript.ids, labels
+
+
+def row_tools(value) -> list[dict] | None:
+    """A chat row's `tools` column: JSON function schemas, as a list or a JSON string of one. A list read
+    from JSONL holds nulls where another schema had a key this one lacks (Arrow unites their fields): dropped."""
+    if value is None or isinstance(value, list) and not value:
+        return None
+    if isinstance(value, str):
+        value = json.loads(value)
+    return [_without_nulls(t) for t in value]
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def truncate_labelled(ids: list[int], labels: list[int], max_length: int):
@@ -218,8 +244,9 @@ def _sft_batch(batch, tokenizer, max_length):
     out = {"input_ids": [], "labels": [], "_status": []}
     for i, (p, c) in enumerate(zip(prompts, completions)):
         messages = batch["messages"][i] if "messages" in batch else None
-        if messages is not None and sum(m["role"] == "assistant" for m in messages) > 1:
-            row = truncate_labelled(*conversation_ids(tokenizer, messages), max_length)
+        tools = row_tools(batch["tools"][i]) if "tools" in batch else None
+        if messages is not None and (tools or sum(m["role"] == "assistant" for m in messages) > 1):
+            row = truncate_labelled(*conversation_ids(tokenizer, messages, tools), max_length)
         else:
             row = truncate(p, c, max_length)
         for key, value in zip(("input_ids", "labels", "_status"), row):

@@ -1,8 +1,9 @@
 """The `rejection_sampling` stage: sample `n` completions per prompt, score them, keep what passes.
 
 `output: sft` writes the best-scoring completion of each prompt when it is correct (R1's rejection
-sampling SFT data; with an environment, the best episode's conversation as a `messages` row, which an sft
-stage learns every model turn of); `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
+sampling SFT data; with an environment, the best episode's conversation as a `messages` row, with the
+JSON schemas of the tools it was shown as `tools`, which an sft stage learns every model turn of);
+`output: pairs` writes (correct, incorrect) pairs for each prompt that has both
 (preference data sampled from the policy): the best correct completion against the best incorrect
 one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first; `output: self_play`
 reads prompt/completion rows (SFT data) and writes SPIN's pairs: the data's completion as chosen against the
@@ -13,6 +14,8 @@ model, prompts and seed write the same rows.
 """
 
 from __future__ import annotations
+
+import json
 
 from alignflow.core.errors import SpecError
 from alignflow.core.train.datasets import load_rows
@@ -57,7 +60,8 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
             top = best(correct + incorrect, total)
             if top in correct and episodes is not None:  # an episode: its conversation, every turn to learn
                 kept = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
-                out.append({**kept, "messages": episodes["messages"][top], "reward": total[top]})
+                tools = {"tools": json.dumps(episodes["tools"][top])} if episodes["tools"][top] else {}
+                out.append({**kept, "messages": episodes["messages"][top], **tools, "reward": total[top]})
             elif top in correct:  # the best sample must itself be correct, not merely some sample
                 out.append({**row, "completion": texts[top], "reward": total[top]})
         elif output == "self_play":

@@ -41,6 +41,22 @@ def test_sft_rows_are_the_best_sample_when_it_is_correct():
     assert rows[0]["answer"] == "0"  # the prompt's other columns are kept
 
 
+def test_an_episodes_sft_row_is_its_conversation_with_the_tools_it_was_shown():
+    import dataclasses
+
+    schema = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    n = len(CASE.generation.texts)
+    episodes = {"messages": [[{"role": "user", "content": f"q{j}"}, {"role": "assistant", "content": t}]
+                             for j, t in enumerate(CASE.generation.texts)],
+                "tools": [schema] * (n - 1) + [[]]}  # the last episode was shown no tools
+    case = dataclasses.replace(CASE, generation=dataclasses.replace(CASE.generation, episodes=episodes))
+    rows = select_rows(case, "sft")
+    assert [r["messages"][1]["content"] for r in rows] == ["c", "k"] and "prompt" not in rows[0]
+    assert json.loads(rows[0]["tools"]) == schema and rows[0]["answer"] == "0" and rows[0]["reward"] == 1.5
+    episodes["tools"][10] = []  # "k" (index 10) shown none: no tools column
+    assert "tools" not in select_rows(case, "sft")[1]
+
+
 def test_pairs_are_the_best_correct_against_the_best_incorrect():
     rows = select_rows(CASE, "pairs")
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [

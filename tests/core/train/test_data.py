@@ -120,6 +120,43 @@ def test_multi_turn_chat_rows_learn_every_assistant_turn_and_no_tool_result(tmp_
     assert stats == {"rows": 1, "truncated": 1, "dropped": 0} and len(out[0]["input_ids"]) == 40
 
 
+# a template that writes the tools' schemas before the conversation, as Qwen's and Llama's do
+TOOLS_TEMPLATE = (
+    "{%- if tools -%}{{ '[tools]' + (tools | tojson) + '\n' }}{%- endif -%}"
+    "{%- for m in messages -%}{{ '[' + m.role + ']' + m.content + eos_token }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '[assistant]' }}{%- endif -%}")
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "expression": {"type": "string"}}, "required": ["expression"]}}},
+         {"type": "function", "function": {"name": "python", "description": "Run.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "code": {"type": "string"}}, "required": ["code"]}}}]
+
+
+@pytest.mark.parametrize("as_string", [False, True])
+def test_a_chat_rows_tools_are_rendered_as_the_episode_renders_them(tmp_path, as_string):
+    """A `tools` column (a list, or a JSON string of one) puts the schemas where the template wants them, as an
+    episode with those tools renders them: the nulls Arrow adds to unite the two schemas' fields are dropped."""
+    from alignflow.core.environments.chat import Transcript
+
+    tok = build_char_tokenizer(1024)
+    tok.chat_template = TOOLS_TEMPLATE
+    convo = [{"role": "user", "content": "12*34="}, {"role": "assistant", "content": "<answer>408</answer>"}]
+    tools = json.dumps(TOOLS) if as_string else TOOLS
+    out, _ = tokenize(_load(tmp_path, [{"messages": convo, "tools": tools}], "sft"), tok, max_length=1024)
+    ids, labels = out[0]["input_ids"], out[0]["labels"]
+    prompt = Transcript(tok, convo[:1], TOOLS).prompt_ids
+    assert ids[:len(prompt)] == prompt and all(x == IGNORE_INDEX for x in labels[:len(prompt)])
+    assert "calculator" in tok.decode(prompt) and "null" not in tok.decode(prompt)
+    assert tok.decode([t for t in labels if t != IGNORE_INDEX]) == "<answer>408</answer></s>"
+
+
+def test_a_bad_tools_column_names_the_row(tmp_path):
+    convo = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    with pytest.raises(DataError, match=r"d\.jsonl:2: field 'tools': expected a list of JSON function schemas"):
+        _load(tmp_path, [{"messages": convo}, {"messages": convo, "tools": "[calculator"}], "sft")
+
+
 def test_truncation_counts_and_policy(tmp_path, tok):
     rows = [{"prompt": "1+2=", "completion": "3"},  # 4 + 2 tokens: fits
             {"prompt": "12+34=", "completion": "46464646"},  # 6 + 9: completion cut

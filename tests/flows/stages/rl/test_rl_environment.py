@@ -1,6 +1,9 @@
 """The rl and evaluate stages on multi-turn episodes of the tiny model: metrics, masks, resume, failures."""
 
 import json
+import multiprocessing
+import os
+import signal
 
 import pytest
 import torch
@@ -82,19 +85,24 @@ def test_rl_trains_on_episodes_and_reports_them(tmp_path, plugins, tiny):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
-def test_resume_on_episodes_gives_the_uninterrupted_weights(tmp_path, plugins, tiny):
+def _killed_at_step_2(root, model, data):  # in a child process: SIGKILL itself once step 2 is logged
+    with registered(TestEnvironments, "test_rl_environment") as plugins:
+        ctx = rl_ctx(root, plugins, model, data, [], ECHO, max_steps=3)
+        ctx.log_metrics = lambda metrics, step: step == 2 and os.kill(os.getpid(), signal.SIGKILL)
+        run_rl(ctx)
+
+
+@pytest.mark.system
+def test_resume_on_episodes_after_kill_9_gives_the_uninterrupted_weights(tmp_path, plugins, tiny):
     data = rows(tmp_path / "rl.jsonl")
     whole = run_rl(rl_ctx(tmp_path / "a", plugins, tiny, data, [], ECHO, max_steps=3))
-
-    def crash(metrics, step):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    ctx = rl_ctx(tmp_path / "b", plugins, tiny, data, [], ECHO, max_steps=3)
-    ctx.log_metrics = crash
-    with pytest.raises(KeyboardInterrupt):
-        run_rl(ctx)
-    resumed = run_rl(rl_ctx(tmp_path / "b", plugins, tiny, data, [], ECHO, max_steps=3))
+    killed = multiprocessing.get_context("spawn").Process(target=_killed_at_step_2, args=(tmp_path / "b", tiny, data))
+    killed.start()
+    killed.join(timeout=300)
+    assert killed.exitcode == -signal.SIGKILL
+    log = []
+    resumed = run_rl(rl_ctx(tmp_path / "b", plugins, tiny, data, log, ECHO, max_steps=3))
+    assert log[0][0] >= 2  # resumed from a checkpoint, not started over
     a, b = load_model(whole.outputs["model"]).state_dict(), load_model(resumed.outputs["model"]).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
