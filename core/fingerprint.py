@@ -87,8 +87,8 @@ def _nvidia_proc() -> tuple[list[str], str | None]:
 
 
 def gpu() -> dict:
-    """{gpu (the models, comma-separated; None without one), gpu_driver, cuda (torch's CUDA version)}. CUDA is never initialised
-    here: names come from torch only where the process already initialised it, else from the driver's files."""
+    """{gpu (models, comma-separated; None without one), gpu_driver, cuda (torch's)}. CUDA is never initialised here:
+    names come from torch only where the process already initialised it, else from the driver's files."""
     import torch
 
     cuda = torch.version.cuda
