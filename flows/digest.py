@@ -1,7 +1,8 @@
 """Stage digests: a hash of everything that determines a stage's outputs.
 
 digest = sha256(kind, validated config, input digests, plugin versions + source hashes, the
-source of the runner and the alignflow modules it imports, data version, seed). Upstream stages
+source of the runner and the alignflow modules it imports, the versions of torch, transformers,
+DeepSpeed, vLLM and peft (core/fingerprint.py; plan.py adds them), data version, seed). Upstream stages
 enter through their own digests, so a change reaches exactly a stage and its descendants.
 """
 

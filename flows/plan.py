@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from alignflow.core.fingerprint import library_versions
 from alignflow.core.spec.kinds import RANK_DEPENDENT_KINDS
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.rounds import RoundOf, round_seed
@@ -74,7 +75,10 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOption
             seed = spec.seed if seed is None else seed
             if (round_of := spec.round_of(name)) is not None:
                 seed = round_seed(seed, round_of.round)
-            versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind)}
+            # the libraries that compute enter every digest (a plugin's `imports` name only its direct ones);
+            # the hardware does not, so a cache stays shareable: it is in the manifest's `fingerprint`
+            versions = {"plugins": dg.plugin_versions(stage, plugins), "runner": runner_version(stage.kind),
+                        "libraries": library_versions()}
             parts = {"kind": stage.kind, "config": config, "inputs": input_digests, "versions": versions,
                      "data_version": data_version, "seed": seed}
             # (a rank-dependent kind is data-parallel: it runs on all of the run's processes)

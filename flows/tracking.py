@@ -53,6 +53,11 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def fingerprint_tags(fingerprint: dict) -> dict[str, str]:
+    """A stage's environment fingerprint as `alignflow.fp.*` tags (`alignflow.fp.cpu_capability`, ...)."""
+    return flatten(fingerprint, "alignflow.fp")
+
+
 def git_state(project: Path) -> dict[str, str]:
     """The commit and dirty flag of the project's git checkout; empty outside git."""
     def git(*args: str) -> str:

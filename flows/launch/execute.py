@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError, SpecError
+from alignflow.core.fingerprint import fingerprint
 from alignflow.core.spec.kinds import DATA_PARALLEL_KINDS, THREAD_SAFE_KINDS
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.launch.child import can_run_in_child, run_in_child
@@ -23,7 +24,7 @@ from alignflow.flows.plan import StagePlan
 from alignflow.flows.launch.ranks import run_ranks
 from alignflow.flows.stages import OUTPUT_OF_INPUT, StageContext, StageResult
 from alignflow.flows.stages.runners import RUNNERS
-from alignflow.flows.tracking import StageRun, Tracker
+from alignflow.flows.tracking import StageRun, Tracker, fingerprint_tags
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,21 @@ def _run_here(kind: str, ctx: StageContext, n: int, started: list[float]) -> Sta
         _exclusive.release()
 
 
+def stage_threads(kind: str, ctx: StageContext, options: RunOptions) -> int:
+    """The torch threads `call_runner` gives a stage (each rank's, for a data-parallel one)."""
+    if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
+        return torch.get_num_threads()
+    threads = thread_share(_user_threads or torch.get_num_threads(), options.parallel_stages)
+    ranks = options.total_processes if kind in DATA_PARALLEL_KINDS else 1
+    return thread_share(threads, options.nproc) if ranks > 1 else threads
+
+
+def stage_fingerprint(plan: StagePlan, ctx: StageContext, options: RunOptions) -> dict:
+    """The environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses."""
+    plugins = {v["distribution"]: v["version"] for v in plan.versions["plugins"].values()}
+    return fingerprint(ctx.settings, plugins, stage_threads(plan.kind, ctx, options))
+
+
 class StageFailed(AlignflowError):
     """A stage's runner raised; `seconds` is how long it ran."""
 
@@ -195,7 +211,9 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     outcome = StageOutcome(plan.name, plan.kind, status, seconds, plan.digest,
                            store.folder(plan.name, plan.digest), store.outputs(manifest, plan.name),
                            manifest["metrics"], manifest.get("headline"), run.run_id)
-    run.finish(status, outcome.metrics, {}, outcome.artifact / "manifest.json")
+    # a cached stage's tags say where its outputs were computed, not where they were reused
+    run.finish(status, outcome.metrics, fingerprint_tags(manifest.get("fingerprint") or {}),
+               outcome.artifact / "manifest.json")
     return outcome
 
 
@@ -253,6 +271,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
     )
     resumed = ctx.resuming()
+    env = stage_fingerprint(plan, ctx, options)
     clock = []
     try:
         result = call_runner(plan.kind, ctx, clock, options, plan.order)
@@ -262,7 +281,8 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         seconds = time.time() - clock[0] if clock else 0.0
         culprit = blamed_plugin(exc, plan.spec, plugins)
         where = f" in {culprit}" if culprit else ""
-        run.finish("failed", {}, {"alignflow.error": f"{where.strip()} {type(exc).__name__}: {exc}"[:5000]}, None)
+        error = f"{where.strip()} {type(exc).__name__}: {exc}"[:5000]
+        run.finish("failed", {}, {"alignflow.error": error, **fingerprint_tags(env)}, None)
         failed = StageFailed(f"stage {plan.name!r} failed after {seconds:.1f} s{where}: {type(exc).__name__}: {exc}")
         failed.seconds = seconds
         raise failed from exc
@@ -276,6 +296,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         "versions": {**plan.versions, "alignflow": md.version("alignflow")},
         "metrics": result.metrics, "headline": result.headline,
         "timings": {"started": started, "finished": finished, "seconds": finished - started},
+        "fingerprint": env,
         "mlflow_run_id": run.run_id,
     }
     if plan.round is not None:

@@ -219,3 +219,23 @@ def test_a_docstring_comment_or_layout_change_keeps_the_source_hash_and_code_cha
     assert h("d.py", '"""Module."""\n\ndef f(x):\n    return 3 * x\n') != base
     assert h("e.py", 'def f(x):\n    return "2 * x"\n') != base  # a string that is not a docstring counts
     assert h("data.txt", "bytes") == h("data2.txt", "bytes") != h("data3.txt", "other")
+
+
+def test_compute_library_versions_enter_the_digest_and_the_hardware_does_not(tmp_path, make_project, monkeypatch):
+    import torch
+
+    from alignflow.core import fingerprint as fp
+
+    project = make_project(tmp_path)
+    base = digests(project)
+    real = fp.distribution_version
+    monkeypatch.setattr(fp, "distribution_version", lambda d: "0.0.1-fake" if d == "transformers" else real(d))
+    assert changed(base, digests(project)) == {"a", "b", "c", "d"}
+    monkeypatch.setattr(fp, "distribution_version", real)
+    fp.cpu.cache_clear()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "FAKE512")
+    try:
+        assert fp.fingerprint()["cpu_capability"] == "FAKE512"
+        assert digests(project) == base
+    finally:
+        fp.cpu.cache_clear()
