@@ -1,8 +1,10 @@
 """The sandbox's bootstrap: the first code of every sandboxed interpreter, before any untrusted code.
 
-Not imported: `alignflow.core.sandbox.runner` sends this file's text as `python -I -S -c`, with the two
-channel fds as arguments. It reads its configuration from the channel (marshal: written only by the
-trusted parent), sets sys.path, the rlimits, the uid and the network, says it is ready, then runs the
+Not imported: `alignflow.core.sandbox.runner` runs it as `python -I -S /dev/fd/N` from a pipe (its text
+is in no command line), with the two channel fds as arguments. As pid 1 of a fresh pid namespace it
+blanks its command line and forks: the parent stays the run's init (reaps, exits with the program's
+status), the child reads its configuration from the channel (marshal: written only by the trusted
+parent), sets sys.path, the rlimits, the uid and the network, says it is ready, then runs the
 program with `send` and `recv` in its globals. Python 3.8+: it runs on the system's interpreter.
 """
 import marshal, os, resource, sys
@@ -67,15 +69,36 @@ def setup(cfg):
                 raise PermissionError("network access is disabled in the sandbox")
         for mod in (socket, _socket):
             mod.socket = mod.SocketType = _NoSocket
+def blank_cmdline():
+    """Zero this process's argv in memory, so that /proc/<pid>/cmdline shows nothing of how it started."""
+    fields = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of stat
+    with open("/proc/self/mem", "r+b", buffering=0) as mem:
+        mem.seek(start)
+        mem.write(bytes(end - start))
+def init(child, fds):
+    """pid 1: reap every orphan until the program's process ends, then end with its status (and so the run)."""
+    for fd in fds:
+        os.close(fd)  # the channel closes when the program's side of it does
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 try:
-    send, recv = channel(int(sys.argv[1]), int(sys.argv[2]))
+    fds = int(sys.argv[1]), int(sys.argv[2])
+    if os.getpid() == 1:  # namespaces: no ancestor is in sight, and init is trusted code, not the program
+        blank_cmdline()
+        child = os.fork()
+        if child:
+            init(child, fds)
+    send, recv = channel(*fds)
     cfg = recv()
     sys.path[:] = cfg["path"]  # started with -S: site's .pth scan is slow; this is the path it makes
     setup(cfg)
 except BaseException as exc:
     sys.stderr.write("sandbox setup failed: %r\n" % (exc,))
     os._exit(125)
-del setup, channel
+del setup, channel, blank_cmdline, init
 send({"ready": True})
 sys.argv = ["main.py"]
 exec(compile(cfg["program"], "<sandbox>", "exec"), {"__name__": "__sandbox__", "send": send, "recv": recv})

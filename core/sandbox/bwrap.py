@@ -97,10 +97,13 @@ SECCOMP = _no_user_namespaces()
 
 
 def bwrap_args(python: str, scratch_bytes: int, privileged: bool) -> list[str]:
-    """bwrap's options for one run: the namespaces, the view, /proc, /dev, the capped tmpfs folders."""
+    """bwrap's options for one run: the namespaces, the view, /proc, /dev, the capped tmpfs folders.
+
+    `--as-pid-1`: the bootstrap is the pid namespace's init, so no ancestor (bwrap, with these options)
+    is in the sandbox's /proc; it forks the program and reaps, as bwrap's own init would."""
     scratch = str(scratch_bytes)
     args = [
-        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "bwrap", "--unshare-pid", "--as-pid-1", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session", *view(python), "--proc", "/proc", "--dev", "/dev",
         "--perms", "1777", "--size", scratch, "--tmpfs", "/tmp",
         "--perms", "1777", "--size", scratch, "--tmpfs", "/dev/shm", "--chdir", "/tmp",

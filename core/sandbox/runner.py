@@ -2,18 +2,21 @@
 
 Isolation `namespaces` (the default where bubblewrap's `bwrap` works): each run gets fresh mount, pid,
 ipc, uts and network namespaces; a read-only view of only the interpreter, its stdlib, its
-site-packages and the system's shared libraries; its own `/proc`; a size-capped tmpfs as its working
-folder and `/tmp`, another as `/dev/shm`; no_new_privs; a seccomp filter refusing new user
-namespaces (in one of its own, a process could mount a tmpfs without the size cap). When the parent is root the program runs as a
-fresh, otherwise unused uid (bwrap runs privileged and the bootstrap drops to it before the program
-starts); otherwise bwrap uses an unprivileged user namespace and the program keeps the caller's uid.
-When a run ends, its pid namespace takes every process it started and its mount namespace every file
-it wrote.
+site-packages and the system's shared libraries; its own `/proc`, where no ancestor is in sight (the
+bootstrap is the namespace's init, its command line blanked, its source read from a pipe); a
+size-capped tmpfs as its working folder and `/tmp`, another as `/dev/shm`; no_new_privs; a seccomp
+filter refusing new user namespaces (in one of its own, a process could mount a tmpfs without the
+size cap). When the parent is root the program runs as a fresh, otherwise unused uid (bwrap runs
+privileged and the bootstrap drops to it before the program starts); otherwise bwrap uses an
+unprivileged user namespace and the program keeps the caller's uid. When a run ends, its pid
+namespace takes every process it started and its mount namespace every file it wrote.
 
 Isolation `basic` (where bwrap is missing or namespaces are not allowed): resource limits, a fresh uid
 when root, a network namespace where the kernel allows one (else `socket` disabled in the child,
-best-effort), a scratch folder on the host removed afterwards. The host filesystem and `/proc` stay
-visible to it; `auto` warns when it has to fall back to this.
+best-effort), a scratch folder on the host removed afterwards. It hides nothing else: the host's
+world-readable files, and in `/proc` every host process with its command line (the scorer's, and its
+own interpreter's path) stay visible; a fresh uid cannot signal or trace them, the caller's uid (a
+non-root parent) can. `auto` warns when it has to fall back to this.
 
 Both: rlimits (CPU, address space, file size, processes, open files), an empty environment, one wall
 clock for the whole run, clean-up included. The child's first message on the channel says that its
@@ -234,16 +237,14 @@ class Sandbox:
         os.set_blocking(self._to_child, False)
         cfg = {"rlimits": _rlimits(limits), "uid": self.uid, "offline": self.isolation == "namespaces",
                "program": program, "path": probe(python)[2]}
-        command = [python, "-I", "-S", "-c", BOOTSTRAP, str(to_child), str(from_child)]
-        keep = [to_child, from_child]
+        boot_fd = _pipe_of(BOOTSTRAP.encode())  # from a pipe: its source is in no process's command line
+        command = [python, "-I", "-S", f"/dev/fd/{boot_fd}", str(to_child), str(from_child)]
+        keep = [to_child, from_child, boot_fd]
         if self.isolation == "namespaces":
             seccomp = []
             if SECCOMP is not None:
-                filter_fd, write_end = os.pipe()
-                os.write(write_end, SECCOMP)
-                os.close(write_end)
-                keep.append(filter_fd)
-                seccomp = ["--seccomp", str(filter_fd)]
+                keep.append(_pipe_of(SECCOMP))
+                seccomp = ["--seccomp", str(keep[-1])]
             command = bwrap_args(python, limits.scratch_bytes, privileged=root) + seccomp + ["--", *command]
             cwd = "/"
         else:
@@ -353,6 +354,16 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _pipe_of(data: bytes) -> int:
+    """The read end of a pipe holding `data` (under the pipe's 64 KiB buffer), its write end closed."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, data)
+    finally:
+        os.close(write_end)
+    return read_end
 
 
 def _ready(fd: int, event: int, seconds: float) -> bool:

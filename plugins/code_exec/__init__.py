@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -52,9 +53,11 @@ class CodeExec:
 
     `score: all` is the default because a fraction pays a policy for hard-coding the answers of the
     tests it can see in the prompt; use `fraction` with hidden tests, or where partial credit is meant.
-    A sample the sandbox could not run is None (no opinion), never 0. Per call, the counts of samples
-    that timed out, crashed (died or broke the channel), raised while loading (error) or were not
-    scored come back as metrics.
+    A sample the sandbox could not run is None (no opinion), never 0. A sample's code never runs, nor
+    is imported, in this process (its results arrive as JSON of builtin data); anything raised while
+    handling them, SystemExit included, is that sample's 0. Per call, the counts of samples that timed
+    out, crashed (died, broke the channel, or made scoring raise), raised while loading (error) or
+    were not scored come back as metrics.
     """
 
     class Config(PluginConfig):
@@ -85,6 +88,13 @@ class CodeExec:
         except SandboxError as exc:  # our failure, not the sample's: no score rather than a wrong 0
             log.warning("code_exec: %s", exc)
             return None, "unscored"
+        except TestError:
+            raise  # the dataset's: the error names the test
+        except BaseException as exc:  # SystemExit and the like too: one sample never ends the stage
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # a real Ctrl-C (signals reach only the main thread; workers see raised ones)
+            log.warning("code_exec: scoring a sample raised %s: %s; scored 0", type(exc).__name__, exc)
+            return 0.0, "crash"
         if self.config.score == "all":
             return float(all(verdicts)), state
         return sum(verdicts) / len(verdicts), state

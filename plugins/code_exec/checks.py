@@ -24,7 +24,6 @@ import ast
 import builtins
 import importlib
 import operator
-import sys
 from typing import Any
 
 from alignflow.core.sandbox.runner import Sandbox, SampleError, SampleTimeout
@@ -37,6 +36,14 @@ COMPARE = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">
 OPS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
        ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
        "is": operator.is_, "is not": operator.is_not, "truth": lambda a, _: bool(a)}
+# The modules a test may use through the solution's own `import`: this process's copies, named here, since
+# importing a name the solution chose runs code in the scorer (`unittest.__main__` exits, `antigravity`
+# opens a browser). Pure stdlib modules without side effects on import.
+SHARED_MODULES = frozenset({
+    "array", "bisect", "cmath", "collections", "collections.abc", "copy", "dataclasses", "datetime",
+    "decimal", "enum", "fractions", "functools", "heapq", "itertools", "json", "math", "numbers",
+    "operator", "os", "random", "re", "statistics", "string", "sys", "textwrap", "time", "typing",
+    "unicodedata"})
 
 
 class TestError(ValueError):
@@ -279,7 +286,7 @@ def load(solution: Solution, code: str) -> dict[str, Any] | bool:
 
     Builtins are never shadowed (a solution's own `abs` or `sorted` would otherwise decide
     `assert abs(f(x) - y) < eps`), and a module the solution imported is this process's own copy of
-    it, for standard-library modules only (tests that use the solution's `import math`).
+    it, for the modules of `SHARED_MODULES` only (tests that use the solution's `import math`).
     """
     reply = solution.request(op="load", code=code)
     if not isinstance(reply.get("names"), dict):
@@ -292,7 +299,7 @@ def load(solution: Solution, code: str) -> dict[str, Any] | bool:
         try:
             if kind.startswith("module "):
                 module = kind.removeprefix("module ")
-                if module.partition(".")[0] in sys.stdlib_module_names:
+                if module in SHARED_MODULES:  # never import a name only the solution gave
                     namespace[name] = importlib.import_module(module)
             elif kind == "callable":
                 namespace[name] = Remote(solution, {"name": name}, "function")

@@ -2,6 +2,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -145,8 +146,29 @@ def test_the_host_is_out_of_sight():
     assert result.ok, result.stderr
     exists, pids, top = result.stdout.splitlines()
     assert exists == "False False False"
-    assert len(json.loads(pids)) <= 3  # bwrap's init, the interpreter: nothing of the host's
+    assert len(json.loads(pids)) <= 3  # the bootstrap's init, the program: nothing of the host's
     assert set(json.loads(top.replace("'", '"'))) <= {"usr", "lib", "lib64", "lib32", "libx32", "proc", "dev", "tmp"}
+
+
+@needs_namespaces
+def test_no_ancestor_is_in_sight():
+    """No command line in the sandbox's /proc, its parent's included, shows bwrap, the bootstrap or a host path."""
+    code = (
+        "import os, json\n"
+        "lines = {p: open('/proc/%s/cmdline' % p, 'rb').read().decode('latin-1')\n"
+        "         for p in os.listdir('/proc') if p.isdigit()}\n"
+        "parent = open('/proc/%d/cmdline' % os.getppid(), 'rb').read().decode('latin-1')\n"
+        "print(json.dumps([lines, os.getppid(), parent]))\n"
+    )
+    result = run(code, "namespaces")
+    assert result.ok, result.stderr
+    lines, ppid, parent = json.loads(result.stdout)
+    assert ppid == 1 and set(lines) <= {"1", "2"}  # the bootstrap's init and the program: nothing above
+    seen = "\n".join([*lines.values(), parent])
+    python = default_python()
+    for leak in ["bwrap", "--unshare", "--ro-bind", "--seccomp", "/dev/fd", "-I", "setrlimit", "def channel",
+                 sys.executable, python, os.path.realpath(python), os.path.dirname(python)]:
+        assert leak not in seen, leak
 
 
 @needs_namespaces

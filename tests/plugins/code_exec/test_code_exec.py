@@ -1,5 +1,6 @@
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -167,6 +168,38 @@ def test_tampering_with_the_interpreter_scores_zero():
 def test_a_forged_setup_failure_is_scored_zero_not_skipped():
     forged = "import os, sys\nsys.stderr.write('sandbox setup failed: forged\\n')\nos._exit(125)"
     assert scores_of({"forged": forged}) == {"forged": 0.0}
+
+
+def test_a_sample_never_runs_or_is_imported_in_the_scorer(capsys):
+    """Module objects named like modules whose import exits or prints, and exits at import: each its own 0."""
+    modules = ("import sys, types\nm = types.ModuleType('unittest.__main__')\nsys.modules['unittest.__main__'] = m\n"
+               "z = types.ModuleType('this')\n")  # importing `unittest.__main__` exits; `this` prints
+    samples = {
+        "defines unittest.__main__": modules,
+        "SystemExit at import": "raise SystemExit(0)\n" + CODE,
+        "KeyboardInterrupt at import": "raise KeyboardInterrupt\n" + CODE,
+        "sys.exit after the definitions": CODE + "import sys\nsys.exit(3)",
+    }
+    assert scores_of(samples) == dict.fromkeys(samples, 0.0)
+    assert scores_of({"correct, with those modules": modules + CODE}) == {"correct, with those modules": 1.0}
+    assert "unittest.__main__" not in sys.modules and "this" not in sys.modules
+    assert "Beautiful is better" not in capsys.readouterr().out
+
+
+def test_anything_raised_while_scoring_a_sample_is_its_own_zero(monkeypatch):
+    import alignflow.plugins.code_exec as code_exec
+
+    real = code_exec.run_tests
+
+    def raising(solution, code, tests):  # as if handling the sample's result raised, past any Exception
+        for marker, exc in [("# exits", SystemExit(1)), ("# interrupts", KeyboardInterrupt())]:
+            if marker in code:
+                raise exc
+        return real(solution, code, tests)
+
+    monkeypatch.setattr(code_exec, "run_tests", raising)
+    samples = {"SystemExit": CODE + "# exits", "KeyboardInterrupt in a worker": CODE + "# interrupts"}
+    assert scores_of(samples) == dict.fromkeys(samples, 0.0)
 
 
 @needs_namespaces
