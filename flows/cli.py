@@ -251,16 +251,27 @@ def _key_value(item: str) -> tuple[str, object]:
 
 
 def cmd_reproduce(args) -> int:
-    """Rerun a recorded pipeline run (MLflow parent run id) from scratch; exit 1 unless metrics match."""
+    """Rerun a recorded pipeline run (MLflow parent run id) from scratch and compare its final metrics: exit 0
+    when they match exactly, 3 when the environment differs and they match within --tolerance, else 1."""
     from alignflow.flows.reproduce import reproduce  # MLflow, Prefect and torch: not for the quick commands
 
-    report, mismatches = reproduce(args.run_id, Path.cwd(), RunOptions.from_env())
-    report.render(console)
-    for key, (recorded, now) in sorted(mismatches.items()):
+    done = reproduce(args.run_id, Path.cwd(), RunOptions.from_env(), args.tolerance)
+    done.report.render(console)
+    if done.environment:
+        console.print("[yellow]the environment differs from the recorded run's[/yellow] (recorded -> now):")
+        for key, (recorded, now) in done.environment.items():
+            console.print(f"  {key}: {recorded} -> {now}")
+    for key, (recorded, now) in sorted(done.mismatches.items()):
         console.print(f"[red]{key}[/red]: recorded {recorded}, reproduced {now}")
-    ok = not mismatches and not report.failed
-    console.print("[green]final metrics match exactly[/green]" if ok else "[red]not reproduced[/red]")
-    return 0 if ok else 1
+    if done.code == 0:
+        console.print("[green]final metrics match exactly[/green]")
+    elif done.code == 3:
+        console.print(f"[green]final metrics match within tolerance {done.tolerance:g}[/green] "
+                      "(another environment: exact equality is not expected)")
+    else:
+        where = f"within tolerance {done.tolerance:g}" if done.environment else "exactly"
+        console.print(f"[red]not reproduced[/red] ({where})")
+    return done.code
 
 
 def cmd_deploy(args) -> int:
@@ -344,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
     p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")
+    p.add_argument("--tolerance", type=float,
+                   help="where the environment differs: |recorded - now| <= T x max(1, |recorded|) (default 0.05)")
     p.set_defaults(func=cmd_reproduce)
 
     p = sub.add_parser("deploy", help=cmd_deploy.__doc__)

@@ -1,4 +1,10 @@
-"""`alignflow reproduce RUN_ID`: rerun a recorded pipeline run from scratch and compare its metrics."""
+"""`alignflow reproduce RUN_ID`: rerun a recorded pipeline run from scratch and compare its metrics.
+
+In the environment the run was recorded in (every stage's fingerprint the same: library versions, CPU kind,
+GPU, threads, precision) every final metric must match exactly. Elsewhere float sums differ in their last
+bits and training drifts from them, so the differences are named and each metric is compared within a
+tolerance instead; the exit code says which case it was.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,13 @@ from alignflow.flows.data import dvc
 from alignflow.flows.options import RunOptions
 from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
 from alignflow.flows.report import PipelineReport
-from alignflow.flows.tracking import mlflow_key, tracking_uri
+from alignflow.flows.tracking import PARENT_TAG, mlflow_key, tracking_uri
+
+EXACT, DIFFERS, ELSEWHERE = 0, 1, 3  # exit codes: matched exactly; did not match; within tolerance elsewhere
+TOLERANCE = 0.05  # |recorded - now| <= TOLERANCE x max(1, |recorded|): 0.05 absolute for an accuracy or a
+# small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against AVX-512, the same versions):
+# r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
+FP_TAG = "alignflow.fp."
 
 
 def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[str, tuple]:
@@ -28,6 +40,56 @@ def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[s
 
     return {k: (recorded.get(k), now.get(k)) for k in sorted(set(recorded) | set(now))
             if not same(recorded.get(k), now.get(k))}
+
+
+def within(recorded: dict[str, float], now: dict[str, float], tolerance: float) -> dict[str, tuple]:
+    """{key: (recorded, now)} for every metric further apart than `tolerance` (see TOLERANCE), or on one side only."""
+    def close(a, b) -> bool:
+        if a is None or b is None:
+            return False
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        return abs(a - b) <= tolerance * max(1.0, abs(a))
+
+    return {k: (a, b) for k, (a, b) in compare_metrics(recorded, now).items() if not close(a, b)}
+
+
+def fingerprints(client: MlflowClient, run_id: str) -> dict[str, dict[str, str]]:
+    """{stage: its fingerprint tags (`alignflow.fp.*`, prefix removed)} of a pipeline run's stage runs."""
+    parent = client.get_run(run_id)
+    runs = client.search_runs([parent.info.experiment_id], f"tags.`{PARENT_TAG}` = '{run_id}'")
+    return {r.info.run_name: {k[len(FP_TAG):]: v for k, v in r.data.tags.items() if k.startswith(FP_TAG)}
+            for r in runs}
+
+
+def environment_differences(recorded: dict[str, dict], now: dict[str, dict]) -> dict[str, tuple]:
+    """{"stage: key": (recorded, now)} for each fingerprint entry that differs; a stage run recorded without a
+    fingerprint (before there was one) differs as `fingerprint`."""
+    out = {}
+    for stage in sorted(set(recorded) | set(now)):
+        a, b = recorded.get(stage), now.get(stage)
+        if not a or not b:
+            out[f"{stage}: fingerprint"] = ("recorded" if a else None, "recorded" if b else None)
+            continue
+        out.update({f"{stage}: {k}": (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)})
+    return out
+
+
+@dataclasses.dataclass
+class Reproduction:
+    """What a rerun found: the new report, the fingerprint entries that differ, the metrics that failed
+    the comparison (exact when the environment is the same, else within the tolerance), and the exit code."""
+
+    report: PipelineReport
+    environment: dict[str, tuple]
+    mismatches: dict[str, tuple]
+    tolerance: float
+
+    @property
+    def code(self) -> int:
+        if self.mismatches or self.report.failed:
+            return DIFFERS
+        return ELSEWHERE if self.environment else EXACT
 
 
 def recorded_options(options: RunOptions, recorded: str | None) -> RunOptions:
@@ -56,9 +118,10 @@ def recorded_data_version(recorded: str | None, project: Path) -> Iterator[bool]
             dvc(project, "checkout", "data.dvc")
 
 
-def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions()) -> tuple[PipelineReport, dict[str, tuple]]:
-    """Rerun with a fresh artifacts root and `options`, on as many processes as the run recorded; returns
-    the new report and {metric: (recorded, now)} mismatches."""
+def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
+              tolerance: float | None = None) -> Reproduction:
+    """Rerun with a fresh artifacts root and `options`, on as many processes as the run recorded, and compare
+    the final metrics: exactly where every stage's fingerprint is the recorded one, else within `tolerance`."""
     client = MlflowClient(tracking_uri(project))
     parent = client.get_run(run_id)
     if "mlflow.parentRunId" in parent.data.tags:
@@ -72,4 +135,8 @@ def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions()) ->
         with recorded_data_version(recorded_dvc, project):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
             report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts", options=options)
-    return report, compare_metrics(parent.data.metrics, report.final_metrics())
+    tolerance = TOLERANCE if tolerance is None else tolerance
+    environment = environment_differences(fingerprints(client, run_id), fingerprints(client, report.mlflow_run_id))
+    compare = within if environment else (lambda a, b, _: compare_metrics(a, b))
+    return Reproduction(report, environment, compare(parent.data.metrics, report.final_metrics(), tolerance),
+                        tolerance)

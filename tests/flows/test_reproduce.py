@@ -19,7 +19,7 @@ from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
 from alignflow.flows.pipeline import load_pipeline, run_pipeline
-from alignflow.flows.reproduce import compare_metrics, recorded_data_version
+from alignflow.flows.reproduce import compare_metrics, environment_differences, recorded_data_version, within
 from alignflow.flows.tracking import tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,6 +77,22 @@ def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkey
     assert parent.data.tags["alignflow.nproc"] == "1"  # the processes a reproduction runs on
     assert not math.isnan(recorded["sft.train/loss"])
 
+    # as if recorded elsewhere: another transformers on the sft stage, another CPU kind on both stages
+    for run in client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{first.mlflow_run_id}'"):
+        if run.info.run_name == "sft":
+            client.set_tag(run.info.run_id, "alignflow.fp.transformers", "4.0.0")
+        client.set_tag(run.info.run_id, "alignflow.fp.cpu_capability", "AVX512")
+    code = main(["reproduce", first.mlflow_run_id])
+    out = capsys.readouterr().out
+    assert code == 3, out  # the same numbers, here: within any tolerance
+    assert "sft: transformers: 4.0.0 -> " in out and "data: cpu_capability: AVX512 -> " in out
+    assert "final metrics match within tolerance 0.05" in out
+    # within a tolerance, not exactly: a recorded metric moved by more than the tolerance is named
+    client.log_metric(first.mlflow_run_id, "sft.train/loss", recorded["sft.train/loss"] + 0.5)
+    code = main(["reproduce", first.mlflow_run_id, "--tolerance", "0.1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "sft.train/loss" in out and "not reproduced (within tolerance 0.1)" in out, out
+
 
 def test_the_rerun_takes_the_recorded_process_count_and_leaves_the_environment_alone():
     from alignflow.flows.options import RunOptions
@@ -113,6 +129,22 @@ def test_metric_comparison_matches_mlflow_keys_and_nan():
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": math.nan, "s.steps": 10.0}) == {}
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": 1.0}) == {
         "s.train/loss": (recorded["s.train/loss"], 1.0), "s.steps": (10.0, None)}
+
+
+def test_within_a_tolerance_is_absolute_below_one_and_relative_above():
+    recorded = {"s.eval/accuracy": 0.258, "s.train/loss": 20.0, "s.steps": 10.0, "s.nan": math.nan}
+    now = {"s.eval/accuracy": 0.290, "s.train/loss": 21.5, "s.steps": 10.0, "s.nan": math.nan}
+    assert within(recorded, now, 0.05) == {"s.train/loss": (20.0, 21.5)}  # 0.032 <= 0.05; 1.5 > 5% of 20
+    assert within(recorded, now, 0.1) == {} and within(recorded, {**now, "s.steps": None}, 0.1) == {
+        "s.steps": (10.0, None)}
+
+
+def test_environment_differences_name_the_stage_and_entry():
+    a = {"sft": {"transformers": "5.24.0", "cpu_capability": "AVX2"}, "data": {"cpu_capability": "AVX2"}}
+    b = {"sft": {"transformers": "5.24.0", "cpu_capability": "AVX512"}, "data": {}}
+    assert environment_differences(a, a) == {}
+    assert environment_differences(a, b) == {"data: fingerprint": ("recorded", None),
+                                             "sft: cpu_capability": ("AVX2", "AVX512")}
 
 
 def dvc(cwd: Path, *args: str) -> str:

@@ -194,6 +194,7 @@ def test_reproduce_reruns_a_pipeline_with_a_loop(project):
     (project / "draws.yaml").write_text(DRAWS)
     recorded = run_pipeline(project / "draws.yaml", [], project)
     assert [s.name for s in recorded.stages] == ["prompts", "draw.r1", "draw.r2", "draw.r3", "last"]
-    report, mismatches = reproduce(recorded.mlflow_run_id, project)
-    assert statuses(report) == {s.name: "ran" for s in recorded.stages} and mismatches == {}
-    assert report.final_metrics() == recorded.final_metrics()
+    done = reproduce(recorded.mlflow_run_id, project)
+    assert statuses(done.report) == {s.name: "ran" for s in recorded.stages}
+    assert (done.mismatches, done.environment, done.code) == ({}, {}, 0)  # same environment: exact
+    assert done.report.final_metrics() == recorded.final_metrics()

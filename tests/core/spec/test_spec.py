@@ -136,6 +136,19 @@ def test_unknown_plugin_name_suggests_the_closest(tmp_path, plugins):
     assert "stage 'eval', rewards[0].name: unknown reward 'exakt'; did you mean 'exact'?" in str(info.value)
 
 
+def test_every_plugin_problem_of_every_stage_is_reported_at_once(tmp_path, plugins):
+    text = (GOOD.replace("algorithm: toy_rl", "algorithm: toy_rll")
+            .replace("rewards: [{name: exact, weight: 2.0}]", "rewards: [{name: exactt, weight: 2.0}]")
+            .replace("rewards: [exact]", "rewards: [exakt]"))
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, text), plugins)
+    msg = str(info.value)
+    assert "3 problems" in msg
+    assert "stage 'rl', algorithm.name: unknown algorithm 'toy_rll'" in msg
+    assert "stage 'rl', rewards[0].name: unknown reward 'exactt'" in msg  # the same stage as the algorithm
+    assert "stage 'eval', rewards[0].name: unknown reward 'exakt'" in msg
+
+
 def test_algorithm_of_the_wrong_stage_kind(tmp_path, plugins):
     text = GOOD.replace("algorithm: toy_rl", "algorithm: toy")
     with pytest.raises(SpecError, match=r"stage 'rl', algorithm: 'toy' serves 'preference' stages, not 'rl'"):
