@@ -200,6 +200,10 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     # Holding the lock across check-and-run: a concurrent run of the same stage waits, then reuses.
     with store.lock(plan.name, plan.digest):
         manifest = store.manifest(plan.name, plan.digest)
+        if manifest is not None and (problem := store.damaged(plan.name, plan.digest, manifest)):
+            log.warning("stage %r: its cached outputs changed after they were published (%s): running it again",
+                        plan.name, problem)
+            manifest = None
         if manifest is None:
             for stage in sorted(set(plan.upstream.values())):  # a shared store's inputs: downloaded once
                 store.fetch(stage, upstream[stage].digest)

@@ -1,6 +1,10 @@
 """Stage artifacts on disk: `artifacts/<stage>/<digest>/` with `out/`, `checkpoints/`, `manifest.json`.
 
-The manifest is written last and atomically, so its presence means the outputs are complete.
+The manifest is written last and atomically, so its presence means the outputs are complete. It holds the
+size and sha256 of every output file (`files`), and a cached stage's files are checked against them before
+they are used again (`damaged`): a file changed, truncated or deleted after publishing is found, never
+silently consumed. A file whose size and modification time are those of its last good check is not hashed
+again (`.checked.json`, per machine), so the check costs a `stat` per file on an unchanged artifact.
 A lock file beside each artifact folder serialises concurrent runs of the same stage.
 A URL root (`s3://bucket/prefix`, any fsspec protocol) is a `RemoteArtifactStore` (flows/store/url.py,
 where `open_store` opens either).
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -19,6 +24,7 @@ from typing import Iterator
 
 MANIFEST = "manifest.json"
 CURVES = "curves.json"  # step metrics, kept so a cached stage can still be plotted
+CHECKED = ".checked.json"  # {file: [size, mtime_ns]} of the files whose hash last matched, on this machine
 
 
 class ArtifactStore:
@@ -58,6 +64,11 @@ class ArtifactStore:
         path = self.folder(stage, digest) / MANIFEST
         return json.loads(path.read_text()) if path.is_file() else None
 
+    def damaged(self, stage: str, digest: str, manifest: dict) -> str | None:
+        """What is wrong with a finished artifact's files here (`folder: problem`), or None when they are as
+        published. Manifests from before `files` existed are taken as they are."""
+        return damaged(self.folder(stage, digest), manifest.get("files"))
+
     def outputs(self, manifest: dict, stage: str) -> dict[str, Path]:
         """Absolute output paths of a manifest (stored relative, so artifacts can move)."""
         folder = self.folder(stage, manifest["digest"])
@@ -94,7 +105,7 @@ class ArtifactStore:
         # A finished stage is never resumed, and optimizer state is often larger than the model.
         shutil.rmtree(folder / "checkpoints", ignore_errors=True)
         write_json_atomic(folder / CURVES, curves)
-        manifest = {**manifest, "outputs": relative}
+        manifest = {**manifest, "outputs": relative, "files": file_hashes(folder)}
         write_json_atomic(folder / MANIFEST, manifest)
         return manifest
 
@@ -107,6 +118,54 @@ class ArtifactStore:
             except ValueError:
                 raise ValueError(f"stage {stage!r} output {key!r}: {path} is not under {work}") from None
         return relative
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_hashes(folder: Path) -> dict[str, dict]:
+    """{"out/...": {"size", "sha256"}} of every file under the artifact's `out/`; remembered as checked."""
+    files, checked = {}, {}
+    for path in sorted(p for p in (folder / "out").rglob("*") if p.is_file()):
+        name, st = path.relative_to(folder).as_posix(), path.stat()
+        files[name] = {"size": st.st_size, "sha256": _sha256(path)}
+        checked[name] = [st.st_size, st.st_mtime_ns]
+    write_json_atomic(folder / CHECKED, checked)
+    return files
+
+
+def damaged(folder: Path, files: dict[str, dict] | None) -> str | None:
+    """The first file of `files` (file_hashes' record) that is missing, or differs in size or content, as
+    `path: problem`; None when all are as recorded (or there is no record)."""
+    if not files:
+        return None
+    try:
+        checked = json.loads((folder / CHECKED).read_text())
+    except (OSError, ValueError):
+        checked = {}
+    confirmed = {}
+    for name, want in sorted(files.items()):
+        path = folder / name
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return f"{path}: missing (the manifest lists {want['size']} bytes)"
+        if st.st_size != want["size"]:
+            return f"{path}: {st.st_size} bytes, the manifest says {want['size']}"
+        stamp = [st.st_size, st.st_mtime_ns]
+        if checked.get(name) != stamp:  # changed since its last good check, or never checked here: hash it
+            if _sha256(path) != want["sha256"]:
+                return f"{path}: its content differs from what was published (sha256)"
+            confirmed[name] = stamp
+    if confirmed:
+        with contextlib.suppress(OSError):  # a read-only store is checked again next time, no harm
+            write_json_atomic(folder / CHECKED, {**checked, **confirmed})
+    return None
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:

@@ -27,7 +27,8 @@ from typing import Iterator
 
 from alignflow.core.train import checkpoint_store
 from alignflow.core.errors import AlignflowError, SpecError
-from alignflow.flows.store.artifacts import CURVES, MANIFEST, ArtifactStore, write_json_atomic
+from alignflow.flows.store.artifacts import (CURVES, MANIFEST, ArtifactStore, damaged, file_hashes,
+                                            write_json_atomic)
 from alignflow.flows.store.lease import LeaseLock
 from alignflow.flows.options import LOCK_ENV, RunOptions
 
@@ -138,6 +139,17 @@ class RemoteArtifactStore(ArtifactStore):
         write_json_atomic(folder / MANIFEST, manifest)
         return manifest
 
+    def damaged(self, stage: str, digest: str, manifest: dict) -> str | None:
+        """None once the local copy is as published: a copy changed here is downloaded again (`fetch` checks
+        each download, and raises when the store's own copy is not what was published)."""
+        folder = self.folder(stage, digest)
+        if (folder / FETCHED).is_file() and (problem := super().damaged(stage, digest, manifest)):
+            log.warning("%s/%s: the local copy changed after download (%s): downloading it again", stage, digest,
+                        problem)
+            (folder / FETCHED).unlink()
+            self.fetch(stage, digest)
+        return None
+
     def published(self, manifest: dict, stage: str) -> dict[str, str]:
         """Output URLs in the store."""
         return {k: self.fs.unstrip_protocol(self.remote(stage, manifest["digest"], v))
@@ -167,6 +179,11 @@ class RemoteArtifactStore(ArtifactStore):
                 os.replace(partial, folder / "out")
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
+            problem = damaged(folder, json.loads((folder / MANIFEST).read_text()).get("files"))
+            if problem is not None:  # the store's copy: rerunning here would not mend it
+                shutil.rmtree(folder / "out", ignore_errors=True)
+                raise AlignflowError(f"stage {stage!r}: the outputs downloaded from {self.url}/{stage}/{digest} are "
+                                     f"not what was published: {problem}")
             (folder / FETCHED).touch()
             log.info("%s/%s: downloaded from %s", stage, digest, self.url)
 
@@ -187,9 +204,10 @@ class RemoteArtifactStore(ArtifactStore):
                  curves: dict[str, list]) -> dict:
         """Move `work/` to `out/` here, publish out/, curves and then the manifest; drop the checkpoints last."""
         folder = self.folder(stage, digest)
-        manifest = {**manifest, "outputs": self.relative_outputs(stage, digest, outputs)}
+        relative = self.relative_outputs(stage, digest, outputs)
         shutil.rmtree(folder / "out", ignore_errors=True)
         os.replace(folder / "work", folder / "out")
+        manifest = {**manifest, "outputs": relative, "files": file_hashes(folder)}
         write_json_atomic(folder / CURVES, curves)
         self.publish(stage, digest, manifest)
         # Only now: a failed upload leaves the checkpoints, and the rerun resumes from the last one.

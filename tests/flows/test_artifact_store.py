@@ -5,8 +5,10 @@ Checkpoints on the store: tests/flows/test_checkpoint_store.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
+import os
 import threading
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.spec import AbstractFileSystem
 
-from alignflow.core.errors import SpecError
+from alignflow.core.errors import AlignflowError, SpecError
 from alignflow.flows.store import url as remote_store
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.store.lease import LeaseLock, LockLost, release_held
@@ -105,6 +107,62 @@ def test_the_manifest_is_written_after_every_output(url, tmp_path, monkeypatch):
     assert writes[-1] == ("mv", "manifest.json") and len(writes) == 5  # written under a temp name, then moved
     assert manifest["outputs"] == {"dataset": "out/data.jsonl", "model": "out/model"}
     assert store.published(manifest, "s")["model"] == fs.unstrip_protocol(f"{store.base}/s/d1/out/model")
+
+
+def finished(store, digest="d1", content=b"0123456789"):
+    """A finished stage `s` whose model folder holds one 10-byte weights file; its manifest."""
+    with store.lock("s", digest):
+        work = store.fresh_work_dir("s", digest)
+        (work / "model").mkdir()
+        (work / "model" / "w.bin").write_bytes(content)
+        return store.finalise("s", digest, {"model": work / "model"}, {"digest": digest, "metrics": {}}, {})
+
+
+def later(path: Path) -> None:
+    """As if written a second after its last check (a clock tick can be coarser than two writes in a test)."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def test_an_output_changed_after_publishing_is_found_and_an_unchanged_one_is_not_hashed_again(tmp_path, monkeypatch):
+    from alignflow.flows.store import artifacts
+
+    store = ArtifactStore(tmp_path / "artifacts")
+    manifest = finished(store)
+    assert manifest["files"] == {"out/model/w.bin": {"size": 10, "sha256": hashlib.sha256(b"0123456789").hexdigest()}}
+    hashed, sha256 = [], artifacts._sha256
+    monkeypatch.setattr(artifacts, "_sha256", lambda path: hashed.append(path.name) or sha256(path))
+    assert store.damaged("s", "d1", manifest) is None and hashed == []  # size and time as at its last check
+    w = store.folder("s", "d1") / "out" / "model" / "w.bin"
+    w.write_bytes(b"0123456780")  # the same size, another content
+    later(w)
+    assert store.damaged("s", "d1", manifest) == f"{w}: its content differs from what was published (sha256)"
+    w.write_bytes(b"01234")
+    assert store.damaged("s", "d1", manifest) == f"{w}: 5 bytes, the manifest says 10"
+    w.unlink()
+    assert store.damaged("s", "d1", manifest) == f"{w}: missing (the manifest lists 10 bytes)"
+    w.write_bytes(b"0123456789")  # put back as published, at a new time: hashed once, then trusted
+    later(w)
+    hashed.clear()
+    assert store.damaged("s", "d1", manifest) is None and store.damaged("s", "d1", manifest) is None
+    assert hashed == ["w.bin"]
+    assert store.damaged("s", "d1", {k: v for k, v in manifest.items() if k != "files"}) is None  # older manifests
+
+
+def test_a_changed_download_is_fetched_again_and_a_changed_store_copy_is_an_error(url, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-a"))
+    manifest = finished(open_store(url, RunOptions.from_env()))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-b"))
+    store = open_store(url, RunOptions.from_env())
+    store.fetch("s", "d1")
+    local = store.folder("s", "d1") / "out" / "model" / "w.bin"
+    local.write_bytes(b"01234")  # changed here: downloaded again
+    assert store.damaged("s", "d1", manifest) is None and local.read_bytes() == b"0123456789"
+    store.fs.pipe_file(f"{store.base}/s/d1/out/model/w.bin", b"0123456780")  # the store's own copy changed
+    (store.folder("s", "d1") / remote_store.FETCHED).unlink()
+    with pytest.raises(AlignflowError, match=r"stage 's': the outputs downloaded from .* are not what was published: "
+                                             r".*w\.bin: its content differs"):
+        store.fetch("s", "d1")
 
 
 def test_an_interrupted_publish_leaves_no_manifest_and_the_rerun_replaces_it(url, tmp_path, monkeypatch):

@@ -169,6 +169,21 @@ def test_second_run_is_all_cached_and_fast(first, project):
     assert set(task_states(again.run_id).values()) == {"Cached"}
 
 
+def test_a_cached_models_truncated_weights_are_found_and_the_stage_runs_again(first, project):
+    """sft_c's weights cut in half after publishing: the next run does not consume them but trains sft_c
+    again (the same weights: it is deterministic), and only sft_c."""
+    before = weights(first, "sft_c")
+    path = Path(stage(first, "sft_c").artifact) / "out" / "model" / "model.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    again = run_pipeline(project / "pipeline.yaml", [], project)
+    assert statuses(again) == {"data": "cached", "sft_a": "cached", "sft_b": "cached", "sft_c": "ran"}
+    assert path.stat().st_size == size
+    after = weights(again, "sft_c")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_changed_lr_reruns_that_stage_and_its_descendants_only(first, project):
     changed = run_pipeline(project / "pipeline.yaml", ["sft_a.settings.lr=1.0e-3"], project)
     assert statuses(changed) == {"data": "cached", "sft_a": "ran", "sft_b": "ran", "sft_c": "cached"}
