@@ -57,6 +57,7 @@ def test_a_tool_call_then_an_answer():
     assert g.texts == ["<call>calculator 7*8</call><result>56</result><answer>56</answer>"] * 2 + \
         ["<call>calculator 6*7</call><result>42</result><answer>42</answer>"] * 2
     messages = g.episodes.pop("messages")
+    assert [[t["function"]["name"] for t in shown] for shown in g.episodes.pop("tools")] == [["calculator"]] * 4
     assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
                           "ended": ["done"] * 4}
     # the conversation as played, tool results as the tool returned them (an sft row of it learns both turns)
