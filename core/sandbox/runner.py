@@ -18,8 +18,9 @@ world-readable files, and in `/proc` every host process with its command line (t
 own interpreter's path) stay visible; a fresh uid cannot signal or trace them, the caller's uid (a
 non-root parent) can. `auto` warns when it has to fall back to this.
 
-Both: rlimits (CPU, address space, file size, processes, open files), an empty environment, one wall
-clock for the whole run, clean-up included. The child's first message on the channel says that its
+Both: rlimits (CPU, address space, file size, processes, open files), and where a cgroup can be made
+(root, or a delegated cgroup: core/sandbox/cgroup.py) one memory limit for all of the run's processes
+together; an empty environment, one wall clock for the whole run, clean-up included. The child's first message on the channel says that its
 setup finished; it is sent before any untrusted code exists in the process, so a program cannot
 forge a setup failure (exit status and output are its own and never read as the sandbox's verdict).
 """
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from alignflow.core.sandbox.bwrap import SECCOMP, bwrap_args, probe
+from alignflow.core.sandbox.cgroup import MemoryCgroup
 from alignflow.core.errors import AlignflowError
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,8 @@ class SampleTimeout(SampleError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits; memory is address space, so it bounds what one allocation may ask for."""
+    """Per-run limits. `memory_bytes` bounds each process's address space (so what one allocation may ask
+    for) and, where a cgroup can be made (core/sandbox/cgroup.py), the memory of the run's processes together."""
 
     cpu_s: int = 5
     wall_s: float = 10.0  # the whole run: start, program, clean-up
@@ -252,6 +255,9 @@ class Sandbox:
             if self.uid is not None:
                 os.chown(cwd, self.uid, self.uid)
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.cgroup = MemoryCgroup.create(limits.memory_bytes)  # None: the per-process rlimit only
+        if self.cgroup is not None:
+            command = self.cgroup.wrap(command)
         try:
             self.proc = subprocess.Popen(
                 command, cwd=cwd, env={}, stdin=subprocess.DEVNULL, stdout=self._out, stderr=self._err,
@@ -346,6 +352,8 @@ class Sandbox:
         self._to_child = self._from_child = -1
         self._out.close()
         self._err.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

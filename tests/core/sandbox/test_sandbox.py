@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from alignflow.core.sandbox import runner as sandbox
+from alignflow.core.sandbox.cgroup import memory_parent
 from alignflow.core.sandbox.runner import Limits, Sandbox, SandboxError, default_python, processes_of, run_python
 
 pytestmark = pytest.mark.system
@@ -73,6 +75,35 @@ def test_sleeping_forever_is_stopped_by_the_wall_clock(isolation):
 def test_a_10_gb_allocation_fails(isolation):
     result = run("x = bytearray(10 * 2**30)\nprint('allocated')", isolation)
     assert not result.ok and "MemoryError" in result.stderr and "allocated" not in result.stdout
+
+
+FOUR_FORKS = """
+import os
+kids = []
+for i in range(4):  # each child well under the per-process cap, all four together over the run's
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(200 << 20)
+        for j in range(0, len(block), 4096):
+            block[j] = 1  # touched: resident, not only reserved
+        os._exit(0)
+    kids.append(pid)
+codes = [os.waitpid(p, 0)[1] for p in kids]
+print("all allocated" if not any(codes) else "killed: " + str(codes))
+"""
+needs_cgroups = pytest.mark.skipif(memory_parent() is None,
+                                   reason="no memory cgroup can be made here (not root, or not delegated)")
+
+
+@needs_cgroups
+def test_memory_is_capped_for_the_whole_run_not_per_process(isolation):
+    """Four processes of 200 MB: under a 512 MB setting some of them are killed (an rlimit alone would let
+    each have its 200); under 1.5 GB all of them allocate, so it is the sum that is capped."""
+    limits = dataclasses.replace(FAST, cpu_s=20, wall_s=60.0, processes=16)
+    capped = run(FOUR_FORKS, isolation, dataclasses.replace(limits, memory_bytes=512 << 20))
+    assert capped.stdout.startswith("killed: ") and str(signal.SIGKILL) in capped.stdout, capped
+    roomy = run(FOUR_FORKS, isolation, dataclasses.replace(limits, memory_bytes=1536 << 20))
+    assert roomy.stdout.strip() == "all allocated", roomy
 
 
 def test_huge_file_is_cut_at_the_size_limit(isolation):
