@@ -12,6 +12,8 @@ That needs a template that renders earlier turns the same when a turn is added; 
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 from alignflow.core.environments.tools import Message
@@ -120,3 +122,21 @@ def replay(tokenizer, messages: list[Message], tools: list[dict] | None = None) 
         transcript.add_reply(reply, transcript.reply_ids(reply))
         i = end
     return transcript
+
+
+def row_tools(value) -> list[dict] | None:
+    """A chat row's `tools` column: JSON function schemas, as a list or a JSON string of one. A list read
+    from JSONL holds nulls where another schema had a key this one lacks (Arrow unites their fields): dropped."""
+    if value is None or isinstance(value, list) and not value:
+        return None
+    if isinstance(value, str):
+        value = json.loads(value)
+    return [_without_nulls(t) for t in value]
+
+
+def _without_nulls(value):
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

@@ -113,3 +113,13 @@ def bwrap_args(python: str, scratch_bytes: int, privileged: bool) -> list[str]:
     else:
         args += ["--unshare-user", "--disable-userns"]
     return args
+
+
+def pipe_of(data: bytes) -> int:
+    """The read end of a pipe holding `data` (under the pipe's 64 KiB buffer), its write end closed."""
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, data)
+    finally:
+        os.close(write_end)
+    return read_end

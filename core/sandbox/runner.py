@@ -18,9 +18,9 @@ world-readable files, and in `/proc` every host process with its command line (t
 own interpreter's path) stay visible; a fresh uid cannot signal or trace them, the caller's uid (a
 non-root parent) can. `auto` warns when it has to fall back to this.
 
-Both: rlimits (CPU, address space, file size, processes, open files), and where a cgroup can be made
-(root, or a delegated cgroup: core/sandbox/cgroup.py) one memory limit for all of the run's processes
-together; an empty environment, one wall clock for the whole run, clean-up included. The child's first message on the channel says that its
+Both: rlimits (CPU, address space, file size, processes, open files), one memory cap for all the run's
+processes where a cgroup can be made (core/sandbox/cgroup.py), an empty environment, one wall clock for
+the whole run, clean-up included. The child's first message on the channel says that its
 setup finished; it is sent before any untrusted code exists in the process, so a program cannot
 forge a setup failure (exit status and output are its own and never read as the sandbox's verdict).
 """
@@ -46,7 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from alignflow.core.sandbox.bwrap import SECCOMP, bwrap_args, probe
+from alignflow.core.sandbox.bwrap import SECCOMP, bwrap_args, pipe_of, probe
 from alignflow.core.sandbox.cgroup import MemoryCgroup
 from alignflow.core.errors import AlignflowError
 
@@ -75,8 +75,7 @@ class SampleTimeout(SampleError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-run limits. `memory_bytes` bounds each process's address space (so what one allocation may ask
-    for) and, where a cgroup can be made (core/sandbox/cgroup.py), the memory of the run's processes together."""
+    """Per-run limits; `memory_bytes` caps each process's address space and, with a cgroup, the run's memory."""
 
     cpu_s: int = 5
     wall_s: float = 10.0  # the whole run: start, program, clean-up
@@ -240,13 +239,13 @@ class Sandbox:
         os.set_blocking(self._to_child, False)
         cfg = {"rlimits": _rlimits(limits), "uid": self.uid, "offline": self.isolation == "namespaces",
                "program": program, "path": probe(python)[2]}
-        boot_fd = _pipe_of(BOOTSTRAP.encode())  # from a pipe: its source is in no process's command line
+        boot_fd = pipe_of(BOOTSTRAP.encode())  # from a pipe: its source is in no process's command line
         command = [python, "-I", "-S", f"/dev/fd/{boot_fd}", str(to_child), str(from_child)]
         keep = [to_child, from_child, boot_fd]
         if self.isolation == "namespaces":
             seccomp = []
             if SECCOMP is not None:
-                keep.append(_pipe_of(SECCOMP))
+                keep.append(pipe_of(SECCOMP))
                 seccomp = ["--seccomp", str(keep[-1])]
             command = bwrap_args(python, limits.scratch_bytes, privileged=root) + seccomp + ["--", *command]
             cwd = "/"
@@ -362,16 +361,6 @@ class Sandbox:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _pipe_of(data: bytes) -> int:
-    """The read end of a pipe holding `data` (under the pipe's 64 KiB buffer), its write end closed."""
-    read_end, write_end = os.pipe()
-    try:
-        os.write(write_end, data)
-    finally:
-        os.close(write_end)
-    return read_end
 
 
 def _ready(fd: int, event: int, seconds: float) -> bool:

@@ -79,6 +79,8 @@ def check_row(row: Any, schema: str) -> str | None:
         if problem:
             return problem
     if schema == "sft_messages" and row.get("tools") is not None:
+        from alignflow.core.environments.chat import row_tools
+
         try:
             tools = row_tools(row["tools"])
         except (json.JSONDecodeError, TypeError) as e:
@@ -197,24 +199,6 @@ def conversation_ids(tokenizer, messages: list[dict], tools: list[dict] | None =
     return transcript.prompt_ids + transcript.ids, labels
 
 
-def row_tools(value) -> list[dict] | None:
-    """A chat row's `tools` column: JSON function schemas, as a list or a JSON string of one. A list read
-    from JSONL holds nulls where another schema had a key this one lacks (Arrow unites their fields): dropped."""
-    if value is None or isinstance(value, list) and not value:
-        return None
-    if isinstance(value, str):
-        value = json.loads(value)
-    return [_without_nulls(t) for t in value]
-
-
-def _without_nulls(value):
-    if isinstance(value, dict):
-        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_without_nulls(v) for v in value]
-    return value
-
-
 def truncate_labelled(ids: list[int], labels: list[int], max_length: int):
     """(input_ids, labels, status) of a labelled sequence cut from the right; dropped if nothing labelled is left."""
     if not any(x != IGNORE_INDEX for x in labels[:max_length]):
@@ -239,6 +223,8 @@ def _prompts(tokenizer, batch: dict[str, list]) -> tuple[list[list[int]], list[s
 
 
 def _sft_batch(batch, tokenizer, max_length):
+    from alignflow.core.environments.chat import row_tools  # chat rows' tools, rendered as episodes render them
+
     prompts, chat_completions = _prompts(tokenizer, batch)
     completions = _completions(tokenizer, chat_completions or batch["completion"])
     out = {"input_ids": [], "labels": [], "_status": []}

@@ -16,7 +16,9 @@ def prefect_server():
 @pytest.fixture(autouse=True)
 def prefect_for_system_tests(request):
     """The flows' `system` tests run pipelines, deployments and children against the server; no other test starts
-    it, nor do vLLM's (they run stages directly, in an environment of their own)."""
+    it, nor do vLLM's (they run stages directly, in an environment of their own). A module fixture that runs a
+    pipeline asks for `prefect_server` itself: pytest sets it up before this one, and without the server it
+    would run on a temporary server of its own, whose records the test then cannot read."""
     if request.node.get_closest_marker("system") and not request.node.get_closest_marker("vllm"):
         request.getfixturevalue("prefect_server")
 

@@ -38,7 +38,7 @@ def project(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first(project) -> RunResult:
+def first(project, prefect_server) -> RunResult:
     return run(project / "tiny.yaml", ["sft.settings.max_steps=2"], project=project, options=RunOptions())
 
 

@@ -102,7 +102,7 @@ def two_at_once():
 
 
 @pytest.fixture(scope="module")
-def first(project):
+def first(project, prefect_server):
     report = run_pipeline(project / "pipeline.yaml", [], project)
     print(f"first run: {report.seconds:.1f} s inside the flow")
     return report

@@ -20,7 +20,7 @@ def project(tmp_path_factory, make_project):
 
 
 @pytest.fixture(scope="module")
-def first(project):
+def first(project, prefect_server):
     return run_pipeline(project / "chain.yaml", [], project)
 
 

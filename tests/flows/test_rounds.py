@@ -86,7 +86,7 @@ def project(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first(project):
+def first(project, prefect_server):
     report = run_pipeline(project / "rounds.yaml", [], project)
     print(f"three rounds: {report.seconds:.1f} s inside the flow")
     return report
