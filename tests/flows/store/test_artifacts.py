@@ -44,7 +44,7 @@ def test_two_concurrent_runs_of_a_stage_run_it_once(tmp_path, make_project, monk
     assert calls == ["a"]
     assert sorted(r.status for r in results) == ["cached", "ran"]
     folder = store.folder("a", plan.digest)
-    assert sorted(p.name for p in folder.iterdir()) == ["curves.json", "manifest.json", "out"]
+    assert sorted(p.name for p in folder.iterdir()) == [".checked.json", "curves.json", "manifest.json", "out"]
     assert len((folder / "out" / "data.jsonl").read_text().splitlines()) == 8
 
 
