@@ -6,15 +6,21 @@ the folder is renamed into place, so a kill at any moment leaves either a comple
 none. On resume a checkpoint whose marker is missing or whose files do not match it is skipped
 with a warning and the previous good one is used; it is never loaded. A stage on an artifact store at
 a URL also uploads each checkpoint there (core/train/checkpoint_store.py).
+
+A save that cannot write (a full disk or quota, or any other OS error) removes its partial folder, so the space
+is given back, leaves every earlier checkpoint as it was, and raises CheckpointError naming the folder, the
+filesystem and the step a rerun resumes from; the stage fails (the pipeline's error adds the stage's name).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -31,6 +37,12 @@ log = logging.getLogger(__name__)
 
 TAG = "ds"  # DeepSpeed's sub-folder inside a checkpoint
 KEEP = 2
+# a write that found no room: the disk, the user's quota, the largest file the filesystem takes
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+# torch.save reports a failed write as a RuntimeError without an errno (its zip writer's "unexpected pos")
+_TORCH_WRITE = re.compile(r"unexpected pos|file write failed|write\(\): fd \d+ failed|open file failed"
+                          r"|Parent directory .* does not exist")
+LOW_SPACE = 1 << 20  # bytes left free below which a failed write is taken for a full disk
 
 
 class CheckpointError(AlignflowError):
@@ -109,29 +121,116 @@ def _barrier() -> None:
 
 
 def save(ds, root: Path, step: int, data_state: dict | None, keep: int = KEEP) -> Path:
-    """Write a checkpoint of DeepSpeed engine `ds` at `step` atomically; all ranks call it."""
+    """Write a checkpoint of DeepSpeed engine `ds` at `step` atomically; all ranks call it.
+
+    A write that fails for want of space or with another OS error raises CheckpointError (see `_failed`);
+    any other error (a lost peer, a bug) is raised as it is. Either way the partial folder is removed and
+    the earlier checkpoints are kept. On several ranks the rank that fails raises and the launcher stops the
+    others, which wait for it.
+    """
     root = Path(root)
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    try:
+        if _rank() == 0:
+            for stale in root.glob(".tmp-step-*"):  # left by a save that was killed: space this one may need
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        _barrier()
+        ds.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "data": data_state}, save_latest=False)
+        torch.save(rng_state(), tmp / f"rng-rank{_rank()}.pt")
+        _barrier()
+        if _rank() == 0:
+            _write_marker(tmp, step)
+            if final.exists():  # a corrupt copy left by an earlier, interrupted run
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    except Exception as exc:
+        try:
+            error = _failed(exc, root, tmp, step)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is None:
+            raise
+        raise error from exc
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    ds.save_checkpoint(str(tmp), tag=TAG, client_state={"step": step, "data": data_state}, save_latest=False)
-    torch.save(rng_state(), tmp / f"rng-rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        _write_marker(tmp, step)
-        if final.exists():  # a corrupt copy left by an earlier, interrupted run
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         _fsync_dir(root)
         for _, old in step_dirs(root)[:-keep]:
             shutil.rmtree(old)
-        for stale in root.glob(".tmp-step-*"):
-            shutil.rmtree(stale)
         upload(root, final)  # to the stage's artifact store when it is at a URL: resumable on another machine
     _barrier()
     return final
+
+
+def _write_error(exc: BaseException | None) -> BaseException | None:
+    """The error in `exc`'s chain that says a file could not be written: an OSError (but a lost connection) or
+    torch.save's RuntimeError for a failed write; None when there is none."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and not isinstance(exc, ConnectionError):
+            return exc
+        if isinstance(exc, RuntimeError) and _TORCH_WRITE.search(str(exc)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _mount_point(path: Path) -> Path:
+    """The mount point of the filesystem that holds `path` (which may not exist yet)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists():
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _size(folder: Path) -> int:
+    """Bytes in the files under `folder`; those that vanish meanwhile (another rank's cleanup) count 0."""
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            total += path.stat().st_size if path.is_file() else 0
+        except OSError:
+            pass
+    return total
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _failed(exc: BaseException, root: Path, tmp: Path, step: int) -> CheckpointError | None:
+    """The CheckpointError for a save of `step` into `tmp` that raised `exc`, measured before `tmp` is removed:
+    what failed, where, and what to do; None when `exc` is not a failed write."""
+    error = _write_error(exc)
+    if error is None:
+        return None
+    disk = _mount_point(root)
+    free, written = _free_bytes(disk), _size(tmp)
+    no_room = (getattr(error, "errno", None) in NO_ROOM or any(os.strerror(e) in str(error) for e in NO_ROOM)
+               or (free is not None and free < LOW_SPACE))
+    complete = [s for s, p in step_dirs(root) if s != step and (p / MARKER).is_file()]
+    resume = (f"the stage resumes from step {complete[-1]}" if complete
+              else "the stage starts over (it has no earlier checkpoint)")
+    what = f"could not write the checkpoint of step {step} to {tmp}"
+    kept = "the partial checkpoint is removed and earlier ones are kept"
+    if not no_room:
+        return CheckpointError(f"{what}: {error}; {kept}. Fix that and rerun: {resume}")
+    left = f"{_bytes(free)} free" if free is not None else "free space unknown"
+    return CheckpointError(f"{what}: out of space ({_bytes(written)} written, {left}; {error}); {kept}. "
+                           f"Free space on {disk} and rerun: {resume}")
 
 
 def _find_local(root: Path, step: int | None) -> Path | None:
