@@ -136,7 +136,10 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
     logits = model(packed.view(lay.rows, lay.width), **kwargs).logits
     # A scored token t of row b is predicted by the logits where its row's token t-1 sits.
     target = mask.reshape(-1).nonzero().flatten()
-    picked = logits.view(-1, logits.shape[-1])[lay.at[target - 1]]
+    # index_select, not `logits[...]`: a shared prompt's last position is picked once per completion, and the
+    # backward of advanced indexing accumulates those duplicates with atomic adds across threads (order, so
+    # rounding, varies run to run); index_select's backward (index_add) sums them in a fixed order.
+    picked = logits.view(-1, logits.shape[-1]).index_select(0, lay.at[target - 1])
     if temperature != 1.0:
         picked = picked / temperature
     out = torch.zeros(B * T, dtype=torch.float32, device=device)

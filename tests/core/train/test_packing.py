@@ -6,6 +6,7 @@ import torch
 from alignflow.core.train import packing
 from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.train.packing import layout, masks_work
+from helpers.load import busy_loops, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,28 @@ def test_probes_pass_a_bf16_model_and_still_catch_an_ignored_mask(tiny, monkeypa
     assert packing.packing_works(model) and masks_work(model)
 
     assert not masks_work(NoMasks(model))
+
+
+@pytest.mark.system  # busy loops are processes
+def test_shared_prompt_gradients_are_the_same_every_time_on_two_threads_under_load(tiny):
+    """A shared prompt's last position predicts the first token of each of its completions, so the packed forward
+    picks that row of logits once per completion. Picked by advanced indexing, the backward added those rows'
+    gradients with atomic adds split across threads, in an order that timing decides: 16 of 20 repeats of this
+    backward gave other bits beside busy loops, and a GRPO stage's weights drifted run to run."""
+    model = load_model(tiny)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (64, 30), generator=g)
+    ids[:, :6] = ids[0, :6]  # one prompt, 64 completions of 24 tokens
+    attn, labels = torch.ones_like(ids), torch.zeros_like(ids)
+    labels[:, 6:] = 1
+    weight = torch.randn(ids.shape, generator=g)
+    params = list(model.parameters())
+
+    def grads():
+        lp = token_logprobs(model, ids, attn, labels, packed=True)
+        return torch.autograd.grad((lp * weight).sum(), params)
+
+    with torch_threads(2), busy_loops(2):
+        first = grads()
+        for _ in range(8):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
