@@ -78,8 +78,8 @@ class Episodes:
             loss_mask=[r.transcript.mask for r in runs],
             episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
                       "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
-                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs],
-                      "tools": [list(tools.values())] * len(runs)},  # the JSON schemas each episode was shown
+                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs]},
+            tools=list(tools.values()),  # the JSON schemas every episode was shown
         )
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
