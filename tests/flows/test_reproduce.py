@@ -129,14 +129,19 @@ def test_metric_comparison_matches_mlflow_keys_and_nan():
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": math.nan, "s.steps": 10.0}) == {}
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": 1.0}) == {
         "s.train/loss": (recorded["s.train/loss"], 1.0), "s.steps": (10.0, None)}
+    assert compare_metrics({"s.steps": 10.0}, {"s.steps": 10.0 + 1e-12}) == {  # exact unless told otherwise
+        "s.steps": (10.0, 10.0 + 1e-12)}
 
 
 def test_within_a_tolerance_is_absolute_below_one_and_relative_above():
     recorded = {"s.eval/accuracy": 0.258, "s.train/loss": 20.0, "s.steps": 10.0, "s.nan": math.nan}
     now = {"s.eval/accuracy": 0.290, "s.train/loss": 21.5, "s.steps": 10.0, "s.nan": math.nan}
-    assert within(recorded, now, 0.05) == {"s.train/loss": (20.0, 21.5)}  # 0.032 <= 0.05; 1.5 > 5% of 20
-    assert within(recorded, now, 0.1) == {} and within(recorded, {**now, "s.steps": None}, 0.1) == {
-        "s.steps": (10.0, None)}
+    # 0.032 <= 0.05; 1.5 > 5% of 20
+    assert compare_metrics(recorded, now, within(0.05)) == {"s.train/loss": (20.0, 21.5)}
+    assert compare_metrics(recorded, now, within(0.1)) == {}
+    assert compare_metrics(recorded, {**now, "s.steps": None}, within(0.1)) == {"s.steps": (10.0, None)}
+    close = within(0.05)
+    assert not close(math.nan, 0.0) and not close(0.0, math.nan) and not close(1.0, None)
 
 
 def test_environment_differences_name_the_stage_and_entry():
