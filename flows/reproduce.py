@@ -19,15 +19,12 @@ from mlflow.tracking import MlflowClient
 
 from alignflow.core.errors import AlignflowError
 from alignflow.flows.data import dvc
-from alignflow.flows.options import RunOptions
+from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions
 from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
 from alignflow.flows.report import PipelineReport
 from alignflow.flows.tracking import PARENT_TAG, mlflow_key, tracking_uri
 
 EXACT, DIFFERS, ELSEWHERE = 0, 1, 3  # exit codes: matched exactly; did not match; within tolerance elsewhere
-TOLERANCE = 0.05  # |recorded - now| <= TOLERANCE x max(1, |recorded|): 0.05 absolute for an accuracy or a
-# small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against AVX-512, the same versions):
-# r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
 FP_TAG = "alignflow.fp."
 
 
@@ -38,7 +35,7 @@ def exact(a: float | None, b: float | None) -> bool:
 
 def within(tolerance: float) -> Callable[[float | None, float | None], bool]:
     """A closeness for `compare_metrics`: |recorded - now| <= `tolerance` x max(1, |recorded|), absolute below
-    one and relative above (see TOLERANCE); NaN is close only to NaN, a one-sided metric to nothing."""
+    one and relative above (see REPRODUCE_TOLERANCE); NaN is close only to NaN, a one-sided metric to nothing."""
     def close(a, b) -> bool:
         if a is None or b is None:
             return False
@@ -123,7 +120,7 @@ def recorded_data_version(recorded: str | None, project: Path) -> Iterator[bool]
 
 
 def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
-              tolerance: float | None = None) -> Reproduction:
+              tolerance: float = REPRODUCE_TOLERANCE) -> Reproduction:
     """Rerun with a fresh artifacts root and `options`, on as many processes as the run recorded, and compare
     the final metrics: exactly where every stage's fingerprint is the recorded one, else within `tolerance`."""
     client = MlflowClient(tracking_uri(project))
@@ -139,7 +136,6 @@ def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
         with recorded_data_version(recorded_dvc, project):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
             report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts", options=options)
-    tolerance = TOLERANCE if tolerance is None else tolerance
     environment = environment_differences(fingerprints(client, run_id), fingerprints(client, report.mlflow_run_id))
     close = within(tolerance) if environment else exact
     return Reproduction(report, environment, compare_metrics(parent.data.metrics, report.final_metrics(), close),

@@ -144,6 +144,15 @@ def test_within_a_tolerance_is_absolute_below_one_and_relative_above():
     assert not close(math.nan, 0.0) and not close(0.0, math.nan) and not close(1.0, None)
 
 
+def test_the_command_lines_tolerance_default_is_read_without_importing_the_reproduce_module():
+    code = ("import sys; from alignflow.flows.cli import build_parser; "
+            "from alignflow.flows.options import REPRODUCE_TOLERANCE as T; "
+            "args = build_parser().parse_args(['reproduce', 'RUN']); "
+            "print(args.tolerance == T == 0.05, 'alignflow.flows.reproduce' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
+
+
 def test_environment_differences_name_the_stage_and_entry():
     a = {"sft": {"transformers": "5.24.0", "cpu_capability": "AVX2"}, "data": {"cpu_capability": "AVX2"}}
     b = {"sft": {"transformers": "5.24.0", "cpu_capability": "AVX512"}, "data": {}}
