@@ -103,7 +103,8 @@ class Episodes:
                 r.messages.append({"role": "assistant", "content": text})
                 r.turns += 1
                 if len(ids) < len(out.completion_ids[k]) or out.truncated[k]:
-                    # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is the episode
+                    # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is
+                    # the episode
                     r.ended = "max_tokens" if len(r.transcript.ids) >= budget else "turn_tokens"
                     continue
                 steps.append((r, Turn(text, fmt.parse(text, tools), turn)))

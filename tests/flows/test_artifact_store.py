@@ -37,7 +37,8 @@ def rows(path: Path) -> list[dict]:
 
 def test_a_local_path_keeps_the_local_store():
     assert type(open_store(Path("artifacts"))) is ArtifactStore
-    assert type(open_store("artifacts", RunOptions.from_env())) is ArtifactStore  # `--artifacts artifacts`: a folder, not a URL
+    # `--artifacts artifacts`: a folder, not a URL
+    assert type(open_store("artifacts", RunOptions.from_env())) is ArtifactStore
 
 
 def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_path, make_project, monkeypatch):
@@ -71,7 +72,8 @@ def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_
     assert gets == [f"{base}/b/{b_digest}/out/data.jsonl"]
     cached = sorted(p.relative_to(tmp_path / "machine-b").parts[-3] for p in (tmp_path / "machine-b").rglob("out"))
     assert cached == ["b", "c"]  # a and d: their manifests only
-    open_store(url, RunOptions.from_env()).fetch("b", b_digest)  # a later stage reading b on this machine: no second download
+    # a later stage reading b on this machine: no second download
+    open_store(url, RunOptions.from_env()).fetch("b", b_digest)
     assert len(gets) == 1
 
 

@@ -108,7 +108,8 @@ def rs_context(tmp_path, model, prompts: int, sampler: str = "hf", **settings):
     plugs.add(Samplers, "samplers")
     plugs.add(Rewards, "rewards")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n" for a in range(prompts)))
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n"
+                            for a in range(prompts)))
     inputs = {"model": model, "dataset": data}
     spec = parse_spec({"name": "rs", "stages": {"rs": {
         "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
@@ -152,7 +153,8 @@ def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch, tiny_mode
     and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
     from alignflow.flows.launch.ranks import run_in_processes
 
-    context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
+    context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs",
+                         generation={"max_new_tokens": 4})
     results, calls = {}, {}
     for ranks in (1, 2):
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))

@@ -93,7 +93,8 @@ def always_call(context, turn):
 
 @pytest.mark.parametrize("limits, ended, turns", [
     ({"max_turns": 3}, "max_turns", 3),  # the third turn still calls a tool: no turn is left to answer
-    ({"max_turns": 9, "max_tokens": 60}, "max_tokens", 2),  # a call is 28 tokens, a reply 18: the second call is cut at 60
+    # a call is 28 tokens, a reply 18: the second call is cut at 60
+    ({"max_turns": 9, "max_tokens": 60}, "max_tokens", 2),
 ])
 def test_limits_end_episodes_and_say_which(limits, ended, turns):
     g = episodes(**limits).generate(Scripted(always_call), TOK, ROWS[:1], 1, GEN, seed=0)
