@@ -65,6 +65,11 @@ def outputs(artifacts: Path) -> dict[str, str]:
     return found
 
 
+def final_metrics(path: Path) -> dict[str, float]:
+    """{stage.metric: value} of a run's `--metrics` file, which holds {stage: {metric: value}}."""
+    return {f"{stage}.{k}": v for stage, metrics in json.loads(path.read_text()).items() for k, v in metrics.items()}
+
+
 def finished(artifacts: Path) -> list[str]:
     return sorted(m.parent.parent.name for m in artifacts.glob("*/*/manifest.json"))
 
@@ -98,8 +103,7 @@ def main() -> None:
             last = at
         code, last_s = run(project, args.pipeline, overrides, soaked, Path(tmp) / "soaked.json")
         want, got = outputs(control), outputs(soaked)
-        metrics_a = json.loads((Path(tmp) / "control.json").read_text())
-        metrics_b = json.loads((Path(tmp) / "soaked.json").read_text())
+        metrics_a, metrics_b = final_metrics(Path(tmp) / "control.json"), final_metrics(Path(tmp) / "soaked.json")
         differ = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
         metric_differ = sorted(k for k in set(metrics_a) | set(metrics_b) if metrics_a.get(k) != metrics_b.get(k))
     print(json.dumps({

@@ -19,10 +19,12 @@ class Generation:
     timings: dict[str, float] = field(default_factory=dict)
     # Multi-turn episodes (core/environments): each row's own prompt ids (what the environment started it
     # with), 1 on the model's tokens of the completion and 0 on the environment's, and per-episode records
-    # (reward, turns, tool_calls, tool_errors, ended). None for single-turn completions.
+    # (reward, turns, tool_calls, tool_errors, ended), and the JSON schemas of the tools the batch's episodes
+    # were shown, once: alike in every episode. None for single-turn completions.
     prompt_ids: list[list[int]] | None = None
     loss_mask: list[list[int]] | None = None
     episodes: dict[str, list] | None = None
+    tools: list[dict] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -48,7 +50,8 @@ class Generation:
         return cls([lo + i for lo, g in parts for i in g.prompt_index],
                    [c for _, g in parts for c in g.completion_ids], [t for _, g in parts for t in g.texts],
                    [t for _, g in parts for t in g.truncated], logprobs, timings,
-                   joined("prompt_ids"), joined("loss_mask"), episodes)
+                   joined("prompt_ids"), joined("loss_mask"), episodes,
+                   next((g.tools for _, g in parts if g.tools is not None), None))
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

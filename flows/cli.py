@@ -22,7 +22,7 @@ from alignflow.flows.api import run_checked
 from alignflow.flows.launch.child import configure_logging
 from alignflow.flows.data import DATA_DIR, regenerate_data
 from alignflow.flows.launch.nodes import LAUNCHER_VARS, launched_by_deepspeed
-from alignflow.flows.options import RunOptions, stage_count
+from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions, stage_count
 from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.report import write_curves, write_metrics
 
@@ -355,8 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
     p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")
-    p.add_argument("--tolerance", type=float,
-                   help="where the environment differs: |recorded - now| <= T x max(1, |recorded|) (default 0.05)")
+    p.add_argument("--tolerance", type=float, default=REPRODUCE_TOLERANCE,
+                   help="where the environment differs: |recorded - now| <= T x max(1, |recorded|) "
+                        "(default %(default)g)")
     p.set_defaults(func=cmd_reproduce)
 
     p = sub.add_parser("deploy", help=cmd_deploy.__doc__)

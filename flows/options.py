@@ -25,6 +25,11 @@ CACHE_ENV = "ALIGNFLOW_CACHE"
 LOCK_ENV = "ALIGNFLOW_ARTIFACT_LOCK"  # lease (default) | none: the user vouches for one writer at a time
 LEASE_ENV = "ALIGNFLOW_LOCK_LEASE_S"
 LOCKINGS = ("lease", "none")
+# `alignflow reproduce` in another environment: |recorded - now| <= REPRODUCE_TOLERANCE x max(1, |recorded|), 0.05
+# absolute for an accuracy or a small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against
+# AVX-512, the same versions): r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
+# Here, not in flows/reproduce.py, so the command line's parser reads it without importing MLflow and Prefect.
+REPRODUCE_TOLERANCE = 0.05
 
 
 def stage_count(text: str, where: str, what: str = "stages") -> int:

@@ -12,38 +12,30 @@ import contextlib
 import dataclasses
 import math
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from alignflow.core.errors import AlignflowError
 from alignflow.flows.data import dvc
-from alignflow.flows.options import RunOptions
+from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions
 from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
 from alignflow.flows.report import PipelineReport
 from alignflow.flows.tracking import PARENT_TAG, mlflow_key, tracking_uri
 
 EXACT, DIFFERS, ELSEWHERE = 0, 1, 3  # exit codes: matched exactly; did not match; within tolerance elsewhere
-TOLERANCE = 0.05  # |recorded - now| <= TOLERANCE x max(1, |recorded|): 0.05 absolute for an accuracy or a
-# small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against AVX-512, the same versions):
-# r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
 FP_TAG = "alignflow.fp."
 
 
-def compare_metrics(recorded: dict[str, float], now: dict[str, float]) -> dict[str, tuple]:
-    """{key: (recorded, now)} for every metric that differs; keys as MLflow stored them, NaN equals NaN."""
-    now = {mlflow_key(k): v for k, v in now.items()}
-
-    def same(a, b) -> bool:
-        return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
-
-    return {k: (recorded.get(k), now.get(k)) for k in sorted(set(recorded) | set(now))
-            if not same(recorded.get(k), now.get(k))}
+def exact(a: float | None, b: float | None) -> bool:
+    """The same value (NaN equals NaN); a metric on one side only never is."""
+    return a == b or (a is not None and b is not None and math.isnan(a) and math.isnan(b))
 
 
-def within(recorded: dict[str, float], now: dict[str, float], tolerance: float) -> dict[str, tuple]:
-    """{key: (recorded, now)} for every metric further apart than `tolerance` (see TOLERANCE), or on one side only."""
+def within(tolerance: float) -> Callable[[float | None, float | None], bool]:
+    """A closeness for `compare_metrics`: |recorded - now| <= `tolerance` x max(1, |recorded|), absolute below
+    one and relative above (see REPRODUCE_TOLERANCE); NaN is close only to NaN, a one-sided metric to nothing."""
     def close(a, b) -> bool:
         if a is None or b is None:
             return False
@@ -51,7 +43,16 @@ def within(recorded: dict[str, float], now: dict[str, float], tolerance: float) 
             return math.isnan(a) and math.isnan(b)
         return abs(a - b) <= tolerance * max(1.0, abs(a))
 
-    return {k: (a, b) for k, (a, b) in compare_metrics(recorded, now).items() if not close(a, b)}
+    return close
+
+
+def compare_metrics(recorded: dict[str, float], now: dict[str, float],
+                    close: Callable[[float | None, float | None], bool] = exact) -> dict[str, tuple]:
+    """{key: (recorded, now)} for every metric that is not `close` (by default: not equal); keys as MLflow
+    stored them."""
+    now = {mlflow_key(k): v for k, v in now.items()}
+    return {k: (recorded.get(k), now.get(k)) for k in sorted(set(recorded) | set(now))
+            if not close(recorded.get(k), now.get(k))}
 
 
 def fingerprints(client: MlflowClient, run_id: str) -> dict[str, dict[str, str]]:
@@ -119,7 +120,7 @@ def recorded_data_version(recorded: str | None, project: Path) -> Iterator[bool]
 
 
 def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
-              tolerance: float | None = None) -> Reproduction:
+              tolerance: float = REPRODUCE_TOLERANCE) -> Reproduction:
     """Rerun with a fresh artifacts root and `options`, on as many processes as the run recorded, and compare
     the final metrics: exactly where every stage's fingerprint is the recorded one, else within `tolerance`."""
     client = MlflowClient(tracking_uri(project))
@@ -135,8 +136,7 @@ def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
         with recorded_data_version(recorded_dvc, project):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
             report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts", options=options)
-    tolerance = TOLERANCE if tolerance is None else tolerance
     environment = environment_differences(fingerprints(client, run_id), fingerprints(client, report.mlflow_run_id))
-    compare = within if environment else (lambda a, b, _: compare_metrics(a, b))
-    return Reproduction(report, environment, compare(parent.data.metrics, report.final_metrics(), tolerance),
+    close = within(tolerance) if environment else exact
+    return Reproduction(report, environment, compare_metrics(parent.data.metrics, report.final_metrics(), close),
                         tolerance)

@@ -125,13 +125,17 @@ def replay(tokenizer, messages: list[Message], tools: list[dict] | None = None) 
 
 
 def row_tools(value) -> list[dict] | None:
-    """A chat row's `tools` column: JSON function schemas, as a list or a JSON string of one. A list read
-    from JSONL holds nulls where another schema had a key this one lacks (Arrow unites their fields): dropped."""
-    if value is None or isinstance(value, list) and not value:
-        return None
-    if isinstance(value, str):
+    """A chat row's `tools` column: JSON function schemas, as a JSON string of a list (kept exactly, its nulls
+    too, e.g. `"default": null`) or a list read from JSONL, whose null fields are dropped: Arrow fills a
+    schema's missing keys with nulls to unite its fields with another schema's. None when there are none."""
+    written = isinstance(value, str)
+    if written:
         value = json.loads(value)
-    return [_without_nulls(t) for t in value]
+    if value is not None and not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    if not value:
+        return None
+    return value if written else [_without_nulls(t) for t in value]
 
 
 def _without_nulls(value):

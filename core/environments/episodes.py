@@ -78,8 +78,8 @@ class Episodes:
             loss_mask=[r.transcript.mask for r in runs],
             episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
                       "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
-                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs],
-                      "tools": [list(tools.values())] * len(runs)},  # the JSON schemas each episode was shown
+                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs]},
+            tools=list(tools.values()),  # the JSON schemas every episode was shown
         )
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
@@ -103,7 +103,8 @@ class Episodes:
                 r.messages.append({"role": "assistant", "content": text})
                 r.turns += 1
                 if len(ids) < len(out.completion_ids[k]) or out.truncated[k]:
-                    # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is the episode
+                    # no stop token (the episode's budget or max_new_tokens came first): unfinished, and so is
+                    # the episode
                     r.ended = "max_tokens" if len(r.transcript.ids) >= budget else "turn_tokens"
                     continue
                 steps.append((r, Turn(text, fmt.parse(text, tools), turn)))

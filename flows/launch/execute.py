@@ -200,11 +200,7 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     # Holding the lock across check-and-run: a concurrent run of the same stage waits, then reuses.
     with store.lock(plan.name, plan.digest):
         manifest = store.manifest(plan.name, plan.digest)
-        if manifest is not None and (problem := store.damaged(plan.name, plan.digest, manifest)):
-            log.warning("stage %r: its cached outputs changed after they were published (%s): running it again",
-                        plan.name, problem)
-            manifest = None
-        if manifest is None:
+        if manifest is None or not reusable(store, plan.name, plan.digest, manifest):
             for stage in sorted(set(plan.upstream.values())):  # a shared store's inputs: downloaded once
                 store.fetch(stage, upstream[stage].digest)
             manifest = _run(plan, inputs, store, run, plugins, options)
@@ -219,6 +215,20 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
     run.finish(status, outcome.metrics, fingerprint_tags(manifest.get("fingerprint") or {}),
                outcome.artifact / "manifest.json")
     return outcome
+
+
+def reusable(store: ArtifactStore, stage: str, digest: str, manifest: dict) -> bool:
+    """Whether a finished stage's outputs here are as published, once a copy that changed after its download
+    from a shared store is downloaded again (which raises when the store's own copy is not as published)."""
+    problem = store.damaged(stage, digest, manifest)
+    if problem is None:
+        return True
+    log.warning("stage %r: its cached outputs here changed after they were published (%s)", stage, problem)
+    store.fetch(stage, digest, again=True)  # a shared store's copy comes down again; a local store's is the only one
+    problem = store.damaged(stage, digest, manifest)
+    if problem is not None:
+        log.warning("stage %r: running it again (%s)", stage, problem)
+    return problem is None
 
 
 def blamed_plugin(exc: BaseException, stage, plugins) -> str | None:

@@ -54,13 +54,13 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
     """The dataset rows to write: the prompt's other columns kept, plus the kept completions' rewards."""
     texts, total = scored.generation.texts, scored.rewards.total
     episodes = scored.generation.episodes
+    tools = {"tools": json.dumps(scored.generation.tools)} if scored.generation.tools else {}  # alike in every row
     out = []
     for row, (correct, incorrect) in zip(scored.rows, by_prompt(scored)):
         if output == "sft":
             top = best(correct + incorrect, total)
             if top in correct and episodes is not None:  # an episode: its conversation, every turn to learn
                 kept = {k: v for k, v in row.items() if k not in ("prompt", "completion")}
-                tools = {"tools": json.dumps(episodes["tools"][top])} if episodes["tools"][top] else {}
                 out.append({**kept, "messages": episodes["messages"][top], **tools, "reward": total[top]})
             elif top in correct:  # the best sample must itself be correct, not merely some sample
                 out.append({**row, "completion": texts[top], "reward": total[top]})

@@ -74,8 +74,9 @@ class ArtifactStore:
         folder = self.folder(stage, manifest["digest"])
         return {k: folder / v for k, v in manifest["outputs"].items()}
 
-    def fetch(self, stage: str, digest: str) -> None:
-        """Make a finished artifact's outputs readable at `outputs()`: they already are, in a local store."""
+    def fetch(self, stage: str, digest: str, again: bool = False) -> None:
+        """Make a finished artifact's outputs readable at `outputs()` (with `again`, download a copy that
+        changed here once more): they already are, in a local store, which holds the only copy."""
 
     def published(self, manifest: dict, stage: str) -> dict[str, str]:
         """Output URIs, for records other machines read (the MLflow model registry)."""

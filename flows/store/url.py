@@ -3,13 +3,14 @@
 The store keeps the local layout, `<url>/<stage>/<digest>/` with `out/`, `curves.json` and
 `manifest.json`. A stage runs in a local cache folder, `RunOptions.cache` ($ALIGNFLOW_CACHE, else
 `~/.cache/alignflow`) then `artifacts/<protocol>/<path>/<stage>/<digest>/` (one per root: two roots
-never share a `work/`): runners get local paths. Each checkpoint is uploaded as it is written, to `checkpoints/` beside `out/`
-(core/train/checkpoint_store.py), and a stage that starts on a machine without a checkpoint as new as the
-store's downloads the newest: a stage killed on one machine resumes on another. When it finishes it
-publishes: `out/` and `curves.json` first, then the manifest, written to a temporary name and moved
-into place, so a reader that finds the manifest finds every output; then the store's checkpoints are
-deleted. A finished artifact a stage reads is downloaded once into the cache and reused. The stage lock
-is a `LeaseLock` (flows/store/lease.py).
+never share a `work/`): runners get local paths. Each checkpoint is uploaded as it is written, to
+`checkpoints/` beside `out/` (core/train/checkpoint_store.py), and a stage that starts on a machine without a
+checkpoint as new as the store's downloads the newest: a stage killed on one machine resumes on another. When
+it finishes it publishes: `out/` and `curves.json` first, then the manifest, written to a temporary name and
+moved into place, so a reader that finds the manifest finds every output; then the store's checkpoints are
+deleted. A finished artifact a stage reads is downloaded once into the cache and reused; a copy changed here
+after its download is downloaded again (`reusable` in flows/launch/execute.py). The stage lock is a
+`LeaseLock` (flows/store/lease.py).
 """
 
 from __future__ import annotations
@@ -140,30 +141,30 @@ class RemoteArtifactStore(ArtifactStore):
         return manifest
 
     def damaged(self, stage: str, digest: str, manifest: dict) -> str | None:
-        """None once the local copy is as published: a copy changed here is downloaded again (`fetch` checks
-        each download, and raises when the store's own copy is not what was published)."""
-        folder = self.folder(stage, digest)
-        if (folder / FETCHED).is_file() and (problem := super().damaged(stage, digest, manifest)):
-            log.warning("%s/%s: the local copy changed after download (%s): downloading it again", stage, digest,
-                        problem)
-            (folder / FETCHED).unlink()
-            self.fetch(stage, digest)
-        return None
+        """What is wrong with the downloaded copy here (changed since its download), or None when it is as
+        published or not downloaded yet; `fetch(..., again=True)` mends a changed copy."""
+        if not (self.folder(stage, digest) / FETCHED).is_file():
+            return None
+        return super().damaged(stage, digest, manifest)
 
     def published(self, manifest: dict, stage: str) -> dict[str, str]:
         """Output URLs in the store."""
         return {k: self.fs.unstrip_protocol(self.remote(stage, manifest["digest"], v))
                 for k, v in manifest["outputs"].items()}
 
-    def fetch(self, stage: str, digest: str) -> None:
-        """Download the published `out/` into the cache folder unless a complete copy is there."""
+    def fetch(self, stage: str, digest: str, again: bool = False) -> None:
+        """Download the published `out/` into the cache folder unless a complete copy is there (with `again`,
+        even then: the copy here changed after its download). Raises when the store's own copy is not what
+        was published."""
         folder = self.folder(stage, digest)
-        if (folder / FETCHED).is_file():
+        if (folder / FETCHED).is_file() and not again:
             return
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder.parent / f"{digest}.fetch.lock", "a") as lock:  # one download per machine
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if (folder / FETCHED).is_file():
+            if again:
+                (folder / FETCHED).unlink(missing_ok=True)
+            elif (folder / FETCHED).is_file():
                 return
             if self.manifest(stage, digest) is None:
                 raise AlignflowError(f"stage {stage!r}: {self.url}/{stage}/{digest} has no manifest")

@@ -37,7 +37,8 @@ def rows(path: Path) -> list[dict]:
 
 def test_a_local_path_keeps_the_local_store():
     assert type(open_store(Path("artifacts"))) is ArtifactStore
-    assert type(open_store("artifacts", RunOptions.from_env())) is ArtifactStore  # `--artifacts artifacts`: a folder, not a URL
+    # `--artifacts artifacts`: a folder, not a URL
+    assert type(open_store("artifacts", RunOptions.from_env())) is ArtifactStore
 
 
 def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_path, make_project, monkeypatch):
@@ -71,7 +72,8 @@ def test_a_pipeline_publishes_to_the_url_and_another_machine_reuses_it(url, tmp_
     assert gets == [f"{base}/b/{b_digest}/out/data.jsonl"]
     cached = sorted(p.relative_to(tmp_path / "machine-b").parts[-3] for p in (tmp_path / "machine-b").rglob("out"))
     assert cached == ["b", "c"]  # a and d: their manifests only
-    open_store(url, RunOptions.from_env()).fetch("b", b_digest)  # a later stage reading b on this machine: no second download
+    # a later stage reading b on this machine: no second download
+    open_store(url, RunOptions.from_env()).fetch("b", b_digest)
     assert len(gets) == 1
 
 
@@ -150,19 +152,35 @@ def test_an_output_changed_after_publishing_is_found_and_an_unchanged_one_is_not
 
 
 def test_a_changed_download_is_fetched_again_and_a_changed_store_copy_is_an_error(url, tmp_path, monkeypatch):
+    from alignflow.flows.launch.execute import reusable
+
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-a"))
     manifest = finished(open_store(url, RunOptions.from_env()))
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "machine-b"))
     store = open_store(url, RunOptions.from_env())
+    assert store.damaged("s", "d1", manifest) is None  # not downloaded yet: nothing here to be damaged
     store.fetch("s", "d1")
     local = store.folder("s", "d1") / "out" / "model" / "w.bin"
-    local.write_bytes(b"01234")  # changed here: downloaded again
-    assert store.damaged("s", "d1", manifest) is None and local.read_bytes() == b"0123456789"
+    local.write_bytes(b"01234")  # changed here
+    problem = f"{local}: 5 bytes, the manifest says 10"
+    assert store.damaged("s", "d1", manifest) == problem and local.read_bytes() == b"01234"  # the check only looks
+    assert store.damaged("s", "d1", manifest) == problem
+    assert reusable(store, "s", "d1", manifest) and local.read_bytes() == b"0123456789"  # downloaded again
     store.fs.pipe_file(f"{store.base}/s/d1/out/model/w.bin", b"0123456780")  # the store's own copy changed
-    (store.folder("s", "d1") / remote_store.FETCHED).unlink()
+    local.write_bytes(b"01234")
     with pytest.raises(AlignflowError, match=r"stage 's': the outputs downloaded from .* are not what was published: "
                                              r".*w\.bin: its content differs"):
-        store.fetch("s", "d1")
+        reusable(store, "s", "d1", manifest)
+
+
+def test_a_local_artifact_changed_after_publishing_is_not_reused(tmp_path):
+    from alignflow.flows.launch.execute import reusable
+
+    store = ArtifactStore(tmp_path / "artifacts")
+    manifest = finished(store)
+    assert reusable(store, "s", "d1", manifest)
+    (store.folder("s", "d1") / "out" / "model" / "w.bin").write_bytes(b"01234")
+    assert not reusable(store, "s", "d1", manifest)  # its only copy: the stage runs again
 
 
 def test_an_interrupted_publish_leaves_no_manifest_and_the_rerun_replaces_it(url, tmp_path, monkeypatch):

@@ -45,16 +45,16 @@ def test_an_episodes_sft_row_is_its_conversation_with_the_tools_it_was_shown():
     import dataclasses
 
     schema = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-    n = len(CASE.generation.texts)
     episodes = {"messages": [[{"role": "user", "content": f"q{j}"}, {"role": "assistant", "content": t}]
-                             for j, t in enumerate(CASE.generation.texts)],
-                "tools": [schema] * (n - 1) + [[]]}  # the last episode was shown no tools
-    case = dataclasses.replace(CASE, generation=dataclasses.replace(CASE.generation, episodes=episodes))
-    rows = select_rows(case, "sft")
+                             for j, t in enumerate(CASE.generation.texts)]}
+    shown = lambda tools: dataclasses.replace(  # noqa: E731
+        CASE, generation=dataclasses.replace(CASE.generation, episodes=episodes, tools=tools))
+    rows = select_rows(shown(schema), "sft")
     assert [r["messages"][1]["content"] for r in rows] == ["c", "k"] and "prompt" not in rows[0]
-    assert json.loads(rows[0]["tools"]) == schema and rows[0]["answer"] == "0" and rows[0]["reward"] == 1.5
-    episodes["tools"][10] = []  # "k" (index 10) shown none: no tools column
-    assert "tools" not in select_rows(case, "sft")[1]
+    assert [json.loads(r["tools"]) for r in rows] == [schema, schema]  # the batch's tools, on every row
+    assert rows[0]["answer"] == "0" and rows[0]["reward"] == 1.5
+    for none in ([], None):  # episodes shown no tools: no tools column
+        assert all("tools" not in r for r in select_rows(shown(none), "sft"))
 
 
 def test_pairs_are_the_best_correct_against_the_best_incorrect():
@@ -108,7 +108,8 @@ def rs_context(tmp_path, model, prompts: int, sampler: str = "hf", **settings):
     plugs.add(Samplers, "samplers")
     plugs.add(Rewards, "rewards")
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n" for a in range(prompts)))
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "completion": f"{2 * a}"}) + "\n"
+                            for a in range(prompts)))
     inputs = {"model": model, "dataset": data}
     spec = parse_spec({"name": "rs", "stages": {"rs": {
         "kind": "rejection_sampling", "inputs": {k: str(v) for k, v in inputs.items()}, "rewards": ["even_start"],
@@ -152,7 +153,8 @@ def test_two_ranks_sample_what_one_process_does(tmp_path, monkeypatch, tiny_mode
     and both then hold all of them, so the rows written (by rank 0 alone) are one process's, byte for byte."""
     from alignflow.flows.launch.ranks import run_in_processes
 
-    context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs", generation={"max_new_tokens": 4})
+    context = rs_context(tmp_path, tiny_model(seed=1), 130, "counting_hf", n=2, output="pairs",
+                         generation={"max_new_tokens": 4})
     results, calls = {}, {}
     for ranks in (1, 2):
         monkeypatch.setenv("CALLS_FILE", str(tmp_path / f"calls{ranks}"))

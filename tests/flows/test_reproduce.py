@@ -15,6 +15,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.settings import PREFECT_API_URL
 
+from alignflow.core.fingerprint import cpu
 from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
@@ -78,14 +79,15 @@ def test_reproduce_reruns_an_sft_run_to_identical_final_metrics(tmp_path, monkey
     assert not math.isnan(recorded["sft.train/loss"])
 
     # as if recorded elsewhere: another transformers on the sft stage, another CPU kind on both stages
+    elsewhere = "AVX2" if cpu()["cpu_capability"] == "AVX512" else "AVX512"  # never this machine's own
     for run in client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{first.mlflow_run_id}'"):
         if run.info.run_name == "sft":
             client.set_tag(run.info.run_id, "alignflow.fp.transformers", "4.0.0")
-        client.set_tag(run.info.run_id, "alignflow.fp.cpu_capability", "AVX512")
+        client.set_tag(run.info.run_id, "alignflow.fp.cpu_capability", elsewhere)
     code = main(["reproduce", first.mlflow_run_id])
     out = capsys.readouterr().out
     assert code == 3, out  # the same numbers, here: within any tolerance
-    assert "sft: transformers: 4.0.0 -> " in out and "data: cpu_capability: AVX512 -> " in out
+    assert "sft: transformers: 4.0.0 -> " in out and f"data: cpu_capability: {elsewhere} -> " in out
     assert "final metrics match within tolerance 0.05" in out
     # within a tolerance, not exactly: a recorded metric moved by more than the tolerance is named
     client.log_metric(first.mlflow_run_id, "sft.train/loss", recorded["sft.train/loss"] + 0.5)
@@ -129,14 +131,28 @@ def test_metric_comparison_matches_mlflow_keys_and_nan():
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": math.nan, "s.steps": 10.0}) == {}
     assert compare_metrics(recorded, {"s.eval/pass@1": 0.5, "s.train/loss": 1.0}) == {
         "s.train/loss": (recorded["s.train/loss"], 1.0), "s.steps": (10.0, None)}
+    assert compare_metrics({"s.steps": 10.0}, {"s.steps": 10.0 + 1e-12}) == {  # exact unless told otherwise
+        "s.steps": (10.0, 10.0 + 1e-12)}
 
 
 def test_within_a_tolerance_is_absolute_below_one_and_relative_above():
     recorded = {"s.eval/accuracy": 0.258, "s.train/loss": 20.0, "s.steps": 10.0, "s.nan": math.nan}
     now = {"s.eval/accuracy": 0.290, "s.train/loss": 21.5, "s.steps": 10.0, "s.nan": math.nan}
-    assert within(recorded, now, 0.05) == {"s.train/loss": (20.0, 21.5)}  # 0.032 <= 0.05; 1.5 > 5% of 20
-    assert within(recorded, now, 0.1) == {} and within(recorded, {**now, "s.steps": None}, 0.1) == {
-        "s.steps": (10.0, None)}
+    # 0.032 <= 0.05; 1.5 > 5% of 20
+    assert compare_metrics(recorded, now, within(0.05)) == {"s.train/loss": (20.0, 21.5)}
+    assert compare_metrics(recorded, now, within(0.1)) == {}
+    assert compare_metrics(recorded, {**now, "s.steps": None}, within(0.1)) == {"s.steps": (10.0, None)}
+    close = within(0.05)
+    assert not close(math.nan, 0.0) and not close(0.0, math.nan) and not close(1.0, None)
+
+
+def test_the_command_lines_tolerance_default_is_read_without_importing_the_reproduce_module():
+    code = ("import sys; from alignflow.flows.cli import build_parser; "
+            "from alignflow.flows.options import REPRODUCE_TOLERANCE as T; "
+            "args = build_parser().parse_args(['reproduce', 'RUN']); "
+            "print(args.tolerance == T == 0.05, 'alignflow.flows.reproduce' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]
 
 
 def test_environment_differences_name_the_stage_and_entry():

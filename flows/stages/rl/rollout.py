@@ -136,9 +136,8 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
         correct=scored.correct, truncated=g.truncated, values=scored.rewards.values, steps=steps,
         counts={k: v for k, v in scored.rewards.metrics.items()
                 if k.startswith("reward/") and not k.endswith(("/mean", "/none"))},
-        loss_mask=g.loss_mask,  # an episode's conversation and tools stay behind: training needs only its counts
-        episodes=None if g.episodes is None else {k: v for k, v in g.episodes.items()
-                                                  if k not in ("messages", "tools")},
+        loss_mask=g.loss_mask,  # an episode's conversation stays behind: training needs only its counts
+        episodes=None if g.episodes is None else {k: v for k, v in g.episodes.items() if k != "messages"},
     )
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 

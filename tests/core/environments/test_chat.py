@@ -1,8 +1,10 @@
 """Token-in, token-out transcripts: sampled ids kept as sampled, replies tokenised once, templates checked."""
 
+import json
+
 import pytest
 
-from alignflow.core.environments.chat import TemplateError, Transcript, render
+from alignflow.core.environments.chat import TemplateError, Transcript, render, row_tools
 from alignflow.core.task.tokenizer import build_char_tokenizer
 
 # Qwen2.5's shape: each turn `<role>\ncontent` + EOS + "\n"; tool results inside <tool_response> as a user turn
@@ -68,3 +70,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     t.add_turn(sampled(tok, "thinking"), None, "thinking")
     with pytest.raises(TemplateError, match="renders earlier turns differently once turn 1 is added"):
         t.reply_ids([{"role": "user", "content": "go on"}])
+
+
+def test_row_tools_keep_a_json_strings_nulls_and_drop_the_ones_arrow_fills_in():
+    schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "default": None}}}}}
+    assert row_tools(json.dumps([schema])) == [schema]  # written as JSON: exactly as written, its null too
+    filled = {"type": "function", "function": {"name": "g", "description": None, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer", "default": None}, "y": None}}}}
+    assert row_tools([filled]) == [{"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]  # a list as Arrow gives it: nulls dropped
+    assert row_tools(None) is None and row_tools([]) is None and row_tools("[]") is None
+    for bad in ("5", '{"name": "f"}'):
+        with pytest.raises(TypeError, match="expected a list"):
+            row_tools(bad)

@@ -57,7 +57,7 @@ def test_a_tool_call_then_an_answer():
     assert g.texts == ["<call>calculator 7*8</call><result>56</result><answer>56</answer>"] * 2 + \
         ["<call>calculator 6*7</call><result>42</result><answer>42</answer>"] * 2
     messages = g.episodes.pop("messages")
-    assert [[t["function"]["name"] for t in shown] for shown in g.episodes.pop("tools")] == [["calculator"]] * 4
+    assert [t["function"]["name"] for t in g.tools] == ["calculator"]  # once for the batch, not per episode
     assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
                           "ended": ["done"] * 4}
     # the conversation as played, tool results as the tool returned them (an sft row of it learns both turns)
@@ -77,13 +77,24 @@ def test_a_tool_call_then_an_answer():
     assert episode_metrics(g.episodes)["episode/tool_calls"] == 1.0
 
 
+def test_tools_travel_once_per_batch_and_rewards_see_no_per_row_copy():
+    from alignflow.flows.stages.scoring import columns_for
+
+    g = episodes().generate(Scripted(solve), TOK, ROWS, 2, GEN, seed=5)
+    cols = columns_for(ROWS, g)
+    assert "episode_tools" not in cols and cols["episode_turns"] == [2] * 4
+    joined = Generation.concat([(0, g), (2, g)])  # chunks of one batch: the schemas once, not repeated
+    assert joined.tools == g.tools and len(joined.tools) == 1 and len(joined) == 8
+
+
 def always_call(context, turn):
     return "<call>calculator 1+1</call>"
 
 
 @pytest.mark.parametrize("limits, ended, turns", [
     ({"max_turns": 3}, "max_turns", 3),  # the third turn still calls a tool: no turn is left to answer
-    ({"max_turns": 9, "max_tokens": 60}, "max_tokens", 2),  # a call is 28 tokens, a reply 18: the second call is cut at 60
+    # a call is 28 tokens, a reply 18: the second call is cut at 60
+    ({"max_turns": 9, "max_tokens": 60}, "max_tokens", 2),
 ])
 def test_limits_end_episodes_and_say_which(limits, ended, turns):
     g = episodes(**limits).generate(Scripted(always_call), TOK, ROWS[:1], 1, GEN, seed=0)
