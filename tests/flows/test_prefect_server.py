@@ -33,6 +33,5 @@ def test_two_runs_at_once_on_one_prefect_home_under_load(tmp_path, make_project)
         assert "database is locked" not in out, out[-3000:]
         # a server that quit at startup (a migration raced) is started again by Prefect: the run still passes
         assert "Application startup failed" not in out and out.count("Starting temporary server") == 1, out[-3000:]
-    rows = [(p / "artifacts" / "c").iterdir() for p in projects]
-    assert [len(list(r)) for r in rows] == [1, 1]  # both ran the whole chain
+    assert [len(list(p.glob("artifacts/c/*/manifest.json"))) for p in projects] == [1, 1]  # the whole chain
     assert (tmp_path / "prefect-home" / "prefect.db").is_file()  # on the one database
