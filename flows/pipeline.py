@@ -17,6 +17,7 @@ from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
 from alignflow.core.spec.schema import PipelineSpec
+from alignflow.flows.prefect_server import start_temporary_server
 from alignflow.flows.launch import shutdown
 from alignflow.flows.digest import data_version
 from alignflow.flows.launch.execute import STATE_NAMES, StageOutcome, execute_stage
@@ -136,6 +137,7 @@ def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path
     when stages failed."""
     load_pipeline(pipeline, list(overrides), project)
     options = RunOptions.from_env() if options is None else options
+    start_temporary_server()  # one at a time per database, before the flow would start one unguarded
     state = pipeline_flow(str(pipeline), list(overrides), str(project),
                           str(artifacts) if artifacts else None, options.as_dict(), return_state=True)
     result = state.result(raise_on_failure=False)

@@ -3,14 +3,20 @@ import uuid
 from pathlib import Path
 
 import pytest
+from prefect.settings import PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
 
 @pytest.fixture(scope="session")
 def prefect_server():
     """One real ephemeral Prefect server (temporary database), started by the first test that needs it."""
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    # Without analytics, as `alignflow run` starts its server: the telemetry heartbeat it runs at startup reads
+    # then writes the configuration table in a deferred transaction, which SQLite cannot upgrade to a write
+    # once another connection has committed; under load it failed at once with "database is locked" (the
+    # busy timeout does not apply), in the first test's setup.
+    with temporary_settings({PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+        with prefect_test_harness(server_startup_timeout=180):
+            yield
 
 
 @pytest.fixture(autouse=True)
