@@ -1,4 +1,4 @@
-"""TRL 1.16's own loss code against ours on the same tensors: GSPO, CISPO, SAPO (and GMPO, GSPO with a KL term).
+"""TRL 1.16's own loss code against ours on the same tensors: GRPO with a KL term, GSPO, CISPO, SAPO, GMPO.
 
     ../venv-trl/bin/python benchmarks/trl_loss_parity.py [--seeds 5] [--batch 8] [--width 16] [--out F.json]
 
@@ -23,9 +23,14 @@ seeds, per dtype, with the scale of each, how much the clip touched, and the sam
 Settings matched (TRL -> ours):
 - gspo: importance_sampling_level="sequence", loss_type="grpo" (per-response token mean, then mean over
   responses), epsilon=3e-4, epsilon_high=4e-4, beta=0 -> `gspo` defaults (`seq-mean-token-mean`).
-- gspo_kl: the same with beta=0.04 and use_bias_correction_kl=False -> `gspo` with kl_loss_coef=0.04. TRL
-  1.16 defaults use_bias_correction_kl to True (k3 times the sequence ratio s_i, differentiable); we do not
-  weight k3, as our `grpo`.
+- gspo_kl: the same with beta=0.04 and use_bias_correction_kl=False -> `gspo` with kl_loss_coef=0.04.
+- gspo_kl_default: beta=0.04 and TRL's default use_bias_correction_kl=True (k3 times the sequence ratio s_i,
+  differentiable) -> `gspo` with kl_loss_coef=0.04, kl_loss_bias_correction=True.
+- grpo_kl / grpo_kl_unweighted: importance_sampling_level="token", loss_type="grpo", epsilon=0.2, beta=0.04,
+  use_bias_correction_kl True (TRL's default) / False -> `grpo` with kl_loss_bias_correction true / false.
+- *_extreme: the draws get tokens past our clamps (log-ratios +-25, log pi_ref/pi_theta = 3, 2.8, -12: k3 over
+  10), and our side sets log_ratio_clamp=None (and kl_clamp=None for grpo), as TRL clamps neither; the control
+  is our default clamps.
 - cispo: loss_type="cispo" (token-mean over the step), epsilon_high=5.0 (TRL's cap on the weight itself, no
   floor) -> `cispo` defaults (clip_high=4.0: cap 1 + 4; clip_low=None: no floor; `token-mean`).
 - sapo: loss_type="sapo" (per-response token mean, then mean), sapo_temperature_pos=1.0,
@@ -34,7 +39,8 @@ Settings matched (TRL -> ours):
   defaults (log_clip_low = log_clip_high = 0.4).
 Not covered: the advantages (TRL computes them inside generation; both use the group mean and std).
 
-Result (TRL 1.16.0, torch 2.13.0+cpu, 5 seeds, B = 8, T = 16, about 11 s on a 2-core CPU): every case agrees.
+Result (TRL 1.16.0, torch 2.13.0+cpu, 5 seeds, B = 8, T = 16, 5 s on a 2-core AMD EPYC with AVX-512 for all
+eleven cases; benchmarks/README.md has all): with matched settings every case agrees.
 Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.7-1.9, gradients up to 0.3):
 
     case      float32            float64              control (one setting changed), float64: loss / grad
@@ -43,6 +49,10 @@ Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.
     cispo     0      / 0         0       / 0          cap 4 instead of 5:     7.2e-02 / 4.5e-02
     sapo      0      / 0         0       / 0          tau_neg 1.0:            4.5e-02 / 2.0e-03
     gmpo      7.5e-08 / 3.7e-09  1.1e-16 / 3.5e-18    log clip 0.3:           4.1e-02 / 5.1e-02
+
+    grpo_kl            0 / 3.0e-08      0 / 1.4e-17        no bias correction:     8.9e-04 / 2.2e-03
+    grpo_kl_extreme    0 / 2.0e+03      0 / 4.8e-07        default clamps:         8.6e+09 / 9.0e+09  (scale 9e9)
+    gmpo_extreme       3.0e-08 / 1.9e-09  4.4e-16 / 2.2e-16  log-ratio clamp 20:   3.0e+01 / 1.0e+01
 
 The draws did reach the clips: GSPO clipped 17% of tokens low and 6% high (whole responses), CISPO capped 5%
 of the weights, GMPO clipped 7% low and 8% high. What differs is rounding: our GSPO computes the same value
@@ -61,8 +71,8 @@ from collections import defaultdict
 import torch
 
 
-def shared_tensors(seed: int, batch: int, width: int, scale: float, dtype: torch.dtype) -> dict:
-    """Random log-probs with padding, and one advantage per response."""
+def shared_tensors(seed: int, batch: int, width: int, scale: float, dtype: torch.dtype, extreme: bool = False) -> dict:
+    """Random log-probs with padding, and one advantage per response; `extreme` adds tokens past our clamps."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, width + 1, (batch,), generator=g)
     lengths[0], lengths[1] = width, 1  # a full row and a one-token row in every draw
@@ -74,6 +84,14 @@ def shared_tensors(seed: int, batch: int, width: int, scale: float, dtype: torch
     advantages = torch.randn(batch, generator=g, dtype=dtype)
     advantages[2] = 0.0
     ref = old - 0.3 * torch.rand(batch, width, generator=g, dtype=dtype)
+    if extreme and batch >= 7:
+        # first tokens (always inside the response): log r = +25 and -25 (past the +-20 log-ratio clamp; k3 of
+        # about 24 too), log rho = ref - logp = 3 and 2.8 (k3 = 16.1 and 12.7, past the KL clamp 10), and -12
+        logprobs[3, 0], logprobs[4, 0] = old[3, 0] + 25.0, old[4, 0] - 25.0
+        logprobs[1, 0] = old[1, 0] - 25.0  # row 1 has one token: GSPO's sequence log-ratio -25 too
+        ref[3, 0], ref[4, 0], ref[1, 0] = old[3, 0], old[4, 0], old[1, 0]
+        for row, log_rho in ((5, 3.0), (6, 2.8), (0, -12.0)):
+            ref[row, 0] = logprobs[row, 0] + log_rho
     return dict(logprobs=logprobs, old=old, ref=ref, mask=mask, advantages=advantages)
 
 
@@ -148,7 +166,26 @@ def cases():
         return GMPOTrainer
 
     seq = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4)
+    tok = dict(importance_sampling_level="token", loss_type="grpo", epsilon=0.2, beta=0.04)  # grpo's defaults
+    no_clamps = dict(log_ratio_clamp=None, kl_clamp=None)
     return {
+        # TRL's default KL (use_bias_correction_kl=True): k3 x the differentiable token ratio
+        "grpo_kl": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=True),
+                    ours("grpo", "GRPO", kl_loss_bias_correction=True), 0.3,
+                    ("no bias correction (our default)", ours("grpo", "GRPO"))),
+        "grpo_kl_unweighted": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=False), ours("grpo", "GRPO"),
+                               0.3, ("bias correction on", ours("grpo", "GRPO", kl_loss_bias_correction=True))),
+        # tokens past both clamps: TRL clamps neither, so ours matches it with both set to None
+        "grpo_kl_extreme": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=True),
+                            ours("grpo", "GRPO", kl_loss_bias_correction=True, **no_clamps), 0.3,
+                            ("our default clamps", ours("grpo", "GRPO", kl_loss_bias_correction=True)), True),
+        "gspo_kl_default": (lambda: GRPOTrainer, dict(seq, beta=0.04, use_bias_correction_kl=True),
+                            ours("gspo", "GSPO", kl_loss_coef=0.04, kl_loss_bias_correction=True), 2e-3,
+                            ("no bias correction", ours("gspo", "GSPO", kl_loss_coef=0.04))),
+        "gmpo_extreme": (gmpo_trainer, dict(epsilon=0.4, beta=0.0), ours("gmpo", "GMPO", log_ratio_clamp=None), 0.5,
+                         ("our default log-ratio clamp 20", ours("gmpo", "GMPO")), True),
+        "gspo_extreme": (lambda: GRPOTrainer, dict(seq, beta=0.0), ours("gspo", "GSPO", log_ratio_clamp=None), 2e-3,
+                         ("our default log-ratio clamp 20", ours("gspo", "GSPO")), True),
         # noise 2e-3 per token: mean log-ratios of ~1e-3, around the 3e-4 / 4e-4 bounds
         "gspo": (lambda: GRPOTrainer, dict(seq, beta=0.0), ours("gspo", "GSPO"), 2e-3,
                  ("token-mean aggregation", ours("gspo", "GSPO", loss_agg_mode="token-mean"))),
@@ -173,12 +210,12 @@ def trl_config(name: str, kwargs: dict):
     from trl import GRPOConfig
     from trl.experimental.gmpo import GMPOConfig
 
-    cls = GMPOConfig if name == "gmpo" else GRPOConfig
+    cls = GMPOConfig if name.startswith("gmpo") else GRPOConfig
     return cls(output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to=[], **kwargs)
 
 
 def run_case(name: str, spec, args) -> dict:
-    trainer_factory, kwargs, algo_factory, scale, (control_name, control_factory) = spec
+    trainer_factory, kwargs, algo_factory, scale, (control_name, control_factory), *extreme = spec
     try:
         algo, control, trainer_cls = algo_factory(), control_factory(), trainer_factory()
     except ImportError as e:  # a plugin not written yet
@@ -189,7 +226,7 @@ def run_case(name: str, spec, args) -> dict:
         worst = defaultdict(float)
         metrics = []
         for seed in range(args.seeds):
-            t = shared_tensors(seed, args.batch, args.width, scale, dtype)
+            t = shared_tensors(seed, args.batch, args.width, scale, dtype, bool(extreme))
             trl_value, trl_grad = trl_loss(trainer_cls, config, t)
             our_value, our_grad, m = our_loss(algo, t)
             control_value, control_grad, _ = our_loss(control, t)
@@ -213,7 +250,7 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--width", type=int, default=16)
-    p.add_argument("--cases", nargs="*", default=None, help="subset of: gspo gspo_kl cispo sapo gmpo")
+    p.add_argument("--cases", nargs="*", default=None, help="names from cases(); default all")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations in TrainingArguments

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.rl.algorithm import PolicyBatch, with_kl_loss
-from alignflow.core.rl.parts import LOG_RATIO_CLAMP, masked_mean
+from alignflow.core.rl.parts import clamp_log_ratio, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 
@@ -45,7 +45,7 @@ class CISPO(GRPO):
 
     def loss(self, batch: PolicyBatch):
         c, mask = self.config, batch.response_mask
-        ratio = (batch.logprobs - batch.old_logprobs).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        ratio = clamp_log_ratio(batch.logprobs - batch.old_logprobs, c.log_ratio_clamp).detach().exp()
         floor = None if c.clip_low is None else 1 - c.clip_low
         weight = ratio.clamp(min=floor, max=1 + c.clip_high)
         loss = -weight * batch.advantages * batch.logprobs

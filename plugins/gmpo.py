@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -10,19 +10,17 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
-from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl.algorithm import PolicyBatch, broadcast, with_kl_loss
-from alignflow.core.rl.parts import LOG_RATIO_CLAMP, masked_mean
+from alignflow.core.rl.algorithm import KLLossConfig, PolicyBatch, broadcast, with_kl_loss
+from alignflow.core.rl.parts import clamp_log_ratio, masked_mean
 from alignflow.plugins.grpo import GRPO
 
 
-class GMPOConfig(PluginConfig):
+class GMPOConfig(KLLossConfig):
     # Log space, hence names of their own (a GRPO `clip_low: 0.2` would silently mean something else): token
     # log-ratios are clipped to [-log_clip_low, log_clip_high]; the paper's ratio range (e^-0.4, e^0.4).
     log_clip_low: float = Field(0.4, gt=0.0)
     log_clip_high: float = Field(0.4, gt=0.0)
     kl_loss_coef: float = Field(0.0, ge=0.0)  # official scripts: --beta 0
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     # (1/G) sum_i of one value per response: the 1/|o_i| already sits in the geometric mean's exponent.
     loss_agg_mode: AggMode = "seq-mean-token-mean"
     scale_rewards: bool = True  # official code: --critic_type grpo, (R - mean) / std
@@ -47,7 +45,8 @@ class GMPO(GRPO):
         weights = mask.to(batch.logprobs.dtype)
         lengths = weights.sum(-1).clamp(min=1.0)
         adv = (batch.advantages * weights).sum(-1) / lengths
-        log_ratio = (batch.logprobs - batch.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        # Past the clamp a token's log-ratio counts as +-log_ratio_clamp in the mean: None to follow TRL exactly.
+        log_ratio = clamp_log_ratio(batch.logprobs - batch.old_logprobs, c.log_ratio_clamp)
         bounded = log_ratio.clamp(-c.log_clip_low, c.log_clip_high)
         positive, negative = (adv > 0)[:, None], (adv < 0)[:, None]
         # PPO's pessimism per token: with A > 0 a ratio above e^eps_high stops pulling, with A < 0 one below e^-eps_low

@@ -22,8 +22,10 @@ class GRPO(PolicyGradient):
     """GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300): A_i = (R_i - mean) / std within the prompt's group.
 
     Loss: the clipped surrogate plus beta * k3(pi_theta, pi_ref) per token, averaged per response then over
-    responses. As in verl/TRL the k3 term is not importance-weighted, so with several PPO epochs it is
-    evaluated on pi_old's samples; its gradient is that of KL(pi_ref || pi_theta).
+    responses. As in the paper and verl (and TRL before 1.16) the k3 term is not importance-weighted by default:
+    it is evaluated on pi_old's samples and its expected gradient is that of KL(pi_ref || pi_theta), even
+    on-policy. `kl_loss_bias_correction: true` weights it by r = pi_theta / pi_old, TRL 1.16's default
+    (`use_bias_correction_kl`), whose gradient is that of KL(pi_theta || pi_ref) (`KLLossConfig`).
     """
 
     Config: ClassVar[type[GRPOConfig]] = GRPOConfig

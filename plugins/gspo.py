@@ -12,7 +12,7 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.rl.algorithm import PolicyBatch, with_kl_loss
-from alignflow.core.rl.parts import clipped_surrogate, masked_mean
+from alignflow.core.rl.parts import clamp_log_ratio, clipped_surrogate, masked_mean
 from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 
@@ -55,12 +55,16 @@ class GSPO(GRPO):
         # value log s_i at every token, gradient d log pi_theta(o_i,t): the stop-gradient form of the paper
         log_s_token = batch.logprobs - batch.logprobs.detach() + log_s.detach()[:, None]
         loss, ratio, flags = clipped_surrogate(
-            log_s_token, torch.zeros_like(log_s_token), batch.advantages, c.clip_low, c.clip_high, c.dual_clip
+            log_s_token, torch.zeros_like(log_s_token), batch.advantages, c.clip_low, c.clip_high, c.dual_clip,
+            c.log_ratio_clamp,
         )
         # Token fractions, as the paper's Figure 2 counts clipped tokens; a clipped response counts all its tokens.
         metrics = {f"actor/{name}_frac": masked_mean(flag.float(), mask) for name, flag in flags.items()}
         metrics["actor/ratio_mean"] = log_s.detach().exp().mean()  # mean of s_i over responses
-        return with_kl_loss(loss, batch, c, metrics)
+        # The KL's bias-correction weight is s_i, differentiable through the mean (TRL's sequence-level coef_1);
+        # it is not the token-level correction that makes r k3 unbiased.
+        s = clamp_log_ratio(log_s, c.log_ratio_clamp).exp()[:, None]
+        return with_kl_loss(loss, batch, c, metrics, ratio=s)
 
 
 @hookimpl

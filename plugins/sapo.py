@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -10,17 +10,15 @@ from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
-from alignflow.core.contracts import PluginConfig
-from alignflow.core.rl.algorithm import PolicyBatch, RLAlgorithm, Rollout, broadcast, with_kl_loss
-from alignflow.core.rl.parts import LOG_RATIO_CLAMP, group_normalize, masked_mean
+from alignflow.core.rl.algorithm import KLLossConfig, PolicyBatch, RLAlgorithm, Rollout, broadcast, with_kl_loss
+from alignflow.core.rl.parts import clamp_log_ratio, group_normalize, masked_mean
 
 
-class SAPOConfig(PluginConfig):
+class SAPOConfig(KLLossConfig):
     tau_pos: float = Field(1.0, gt=0.0)  # gate temperature of tokens with A > 0 (paper, TRL, verl)
     # gate temperature of tokens with A <= 0: larger, so their updates fade faster off-policy (paper, TRL, verl)
     tau_neg: float = Field(1.05, gt=0.0)
     kl_loss_coef: float = Field(0.0, ge=0.0)  # the paper's objective has no KL term; TRL's beta is 0
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg_mode: AggMode = "seq-mean-token-mean"  # the paper's (1/G) sum_i (1/|o_i|) sum_t, as TRL and verl
     scale_rewards: bool = True  # GRPO's group advantages: divide by the group's std
 
@@ -48,7 +46,7 @@ class SAPO(RLAlgorithm):
 
     def loss(self, batch: PolicyBatch):
         c, mask, adv = self.config, batch.response_mask, batch.advantages
-        ratio = (batch.logprobs - batch.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+        ratio = clamp_log_ratio(batch.logprobs - batch.old_logprobs, c.log_ratio_clamp).exp()
         tau = torch.where(adv > 0, c.tau_pos, c.tau_neg).to(ratio.dtype)
         loss = -sapo_gate(ratio, tau) * adv
         s = torch.sigmoid(tau * (ratio.detach() - 1))

@@ -33,7 +33,16 @@ from torch import Tensor
 from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.contracts import Algorithm, PluginConfig
 from alignflow.core.rl.capabilities import LegacyMembers, cost_reward_problem  # noqa: F401 (re-exported)
-from alignflow.core.rl.parts import clipped_surrogate, group_ids, group_sum, kl_estimate, masked_mean
+from alignflow.core.rl.parts import (
+    KL_CLAMP,
+    LOG_RATIO_CLAMP,
+    clamp_log_ratio,
+    clipped_surrogate,
+    group_ids,
+    group_sum,
+    kl_estimate,
+    masked_mean,
+)
 
 
 @dataclass
@@ -204,14 +213,35 @@ class RLAlgorithm(LegacyMembers, Algorithm):
         return {}
 
 
-class PolicyGradientConfig(PluginConfig):
+class KLLossConfig(PluginConfig):
+    """The KL-to-reference loss term and the clamps on log-ratios and KL estimates that the policy losses share.
+
+    `kl_loss_bias_correction` weights each token's KL estimate by the importance ratio r = pi_theta / pi_old,
+    differentiable and unclipped (TRL's `use_bias_correction_kl`, DeepSeek-V3.2): the samples come from pi_old,
+    and E_{pi_old}[r k3] = KL(pi_theta || pi_ref), whose gradient is grad r k3 = r (log pi_theta - log pi_ref)
+    grad log pi_theta, the reverse KL's. Unweighted, the gradient of k3 is (1 - pi_ref / pi_theta)
+    grad log pi_theta, whose expectation is the gradient of the forward KL(pi_ref || pi_theta). The weight
+    changes the gradient even on-policy (r = 1 in value, grad log pi_theta in gradient). Default False: the
+    DeepSeekMath formula that `grpo` and its variants follow, and verl's and OpenRLHF's default, so configs with
+    a KL term keep their gradient; TRL 1.16 defaults it to True (with beta 0, so it is inert there).
+    """
+
+    kl_loss_coef: float = Field(0.0, ge=0.0)  # beta of a KL-to-reference term in the loss
+    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_loss_bias_correction: bool = False  # r x KL estimate per token, as TRL 1.16's default; see the docstring
+    # |log r| and |log pi_ref / pi_theta| clamped before exp(), zero gradient past it (verl); None: no clamp (TRL)
+    log_ratio_clamp: float | None = Field(LOG_RATIO_CLAMP, gt=0.0)
+    # each per-token KL estimate clamped to +-kl_clamp (OpenRLHF; verl for k3); k3 reaches 10 at log rho = 2.61.
+    # None: no clamp (TRL)
+    kl_clamp: float | None = Field(KL_CLAMP, gt=0.0)
+
+
+class PolicyGradientConfig(KLLossConfig):
     """What every clipped policy-gradient variant shares."""
 
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)  # epsilon_low
     clip_high: float = Field(0.2, ge=0.0)  # epsilon_high
     dual_clip: float | None = Field(None, gt=1.0)  # c of dual-clip PPO; None disables
-    kl_loss_coef: float = Field(0.0, ge=0.0)  # beta of a KL-to-reference term in the loss
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg_mode: AggMode = "token-mean"
 
 
@@ -240,7 +270,8 @@ class PolicyGradient(RLAlgorithm):
     def loss(self, batch: PolicyBatch) -> tuple[Tensor, dict[str, Tensor]]:
         c, mask = self.config, batch.response_mask
         loss, ratio, flags = clipped_surrogate(
-            batch.logprobs, batch.old_logprobs, batch.advantages, c.clip_low, c.clip_high, c.dual_clip
+            batch.logprobs, batch.old_logprobs, batch.advantages, c.clip_low, c.clip_high, c.dual_clip,
+            c.log_ratio_clamp,
         )
         weights = self.surrogate_weights(batch)
         if weights is not None:
@@ -250,11 +281,22 @@ class PolicyGradient(RLAlgorithm):
         return with_kl_loss(loss, batch, c, metrics)
 
 
-def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Tensor]):
+def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Tensor], ratio: Tensor | None = None):
     """`loss` + kl_loss_coef * the per-token KL estimate to the reference (`actor/kl_ref`) when the coefficient
-    is positive, and the metrics detached: the end of every policy loss with an optional KL term."""
+    is positive, and the metrics detached: the end of every policy loss with an optional KL term.
+
+    With `kl_loss_bias_correction` the estimate (clamped first) is multiplied by `ratio`, by default the token
+    ratio exp(clamp(log pi_theta - log pi_old)), differentiable; an algorithm whose ratio is per response (GSPO)
+    passes its own, as TRL uses the sequence ratio there. Configs without the `KLLossConfig` fields get its defaults.
+    """
     if config.kl_loss_coef > 0:
-        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator)
+        bound = getattr(config, "log_ratio_clamp", LOG_RATIO_CLAMP)
+        kl_clamp = getattr(config, "kl_clamp", KL_CLAMP)
+        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator, kl_clamp, bound)
+        if getattr(config, "kl_loss_bias_correction", False):
+            if ratio is None:
+                ratio = clamp_log_ratio(batch.logprobs - batch.old_logprobs, bound).exp()
+            kl = kl * ratio
         loss = loss + config.kl_loss_coef * kl
         metrics["actor/kl_ref"] = masked_mean(kl, batch.response_mask)
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0  # verl: keeps exp() finite
+# Defaults of the `log_ratio_clamp` and `kl_clamp` settings (`KLLossConfig`); None in either disables it (TRL).
+LOG_RATIO_CLAMP = 20.0  # verl: |log r| <= 20 keeps exp() finite; zero gradient past it
 KL_CLAMP = 10.0  # OpenRLHF clamps every estimator to +-10; verl clamps only k3 (zero gradient past it)
+
+
+def clamp_log_ratio(log_ratio: Tensor, bound: float | None = LOG_RATIO_CLAMP) -> Tensor:
+    """log r clamped to [-bound, bound] (zero gradient outside); None: unchanged."""
+    return log_ratio if bound is None else log_ratio.clamp(-bound, bound)
 
 
 def group_ids(group: Tensor) -> tuple[Tensor, int]:
@@ -68,13 +74,21 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     return whitened * var.clamp(min=eps).rsqrt() * mask
 
 
-def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Tensor:
-    """Per-token estimate of KL(p || ref) from samples of p (Schulman's k1/k2/k3), clamped to +-10.
+def kl_estimate(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    kind: str = "k3",
+    clamp: float | None = KL_CLAMP,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+) -> Tensor:
+    """Per-token estimate of KL(p || ref) from samples of p (Schulman's k1/k2/k3), clamped to +-`clamp`.
 
     Pass the sampling policy first: KL(pi_old || pi_theta) on pi_old's samples is
-    `kl_estimate(old_logprobs, logprobs)`.
+    `kl_estimate(old_logprobs, logprobs)`. k3 = rho - 1 - log rho reaches 10 at log rho = 2.61 (and at -11.0),
+    so the default clamp binds on tokens the policy gives e^-2.61 = 0.074 of the reference's probability;
+    log rho is first clamped to +-`log_ratio_clamp`. None disables a clamp (TRL clamps neither).
     """
-    log_ratio = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log rho
+    log_ratio = clamp_log_ratio(ref_logprobs - logprobs, log_ratio_clamp)  # log rho
     if kind == "k1":
         kl = -log_ratio
     elif kind == "k2":
@@ -83,7 +97,7 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3") -> Ten
         kl = log_ratio.exp() - 1 - log_ratio
     else:
         raise ValueError(f"unknown KL estimator {kind!r}; expected k1, k2 or k3")
-    return kl.clamp(-KL_CLAMP, KL_CLAMP)
+    return kl if clamp is None else kl.clamp(-clamp, clamp)
 
 
 def clipped_surrogate(
@@ -93,13 +107,15 @@ def clipped_surrogate(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """PPO's per-token loss max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), optionally dual-clipped at -A c for A < 0.
 
-    Returns the loss, the ratio r, and boolean masks of tokens whose gradient the clip removed
-    (`clip_low`: A < 0 and r < 1-eps_low; `clip_high`: A > 0 and r > 1+eps_high; `dual_clip`).
+    Returns the loss, the ratio r (log r clamped to +-`log_ratio_clamp` first; None: not clamped), and boolean
+    masks of tokens whose gradient the clip removed (`clip_low`: A < 0 and r < 1-eps_low; `clip_high`: A > 0 and
+    r > 1+eps_high; `dual_clip`).
     """
-    ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    ratio = clamp_log_ratio(logprobs - old_logprobs, log_ratio_clamp).exp()
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
     flags = {
         "clip_low": (advantages < 0) & (ratio < 1 - clip_low),
