@@ -116,6 +116,7 @@ class Rollout:
             guided=rows.guided,
             ref_logprobs=rows.ref_logprobs,
             teacher_logprobs=rows.teacher_logprobs,
+            sampler_logprobs=rows.sampler_logprobs,
             values=values,
             old_values=rows.values,
             returns=None if returns is None else returns[index],
@@ -139,6 +140,7 @@ class PolicyBatch:
     guided: Tensor | None = None  # [b] bool, see Rollout.guided
     ref_logprobs: Tensor | None = None  # [b, T]
     teacher_logprobs: Tensor | None = None  # [b, T]
+    sampler_logprobs: Tensor | None = None  # [b, T] the behaviour policy mu, see Rollout.sampler_logprobs
     values: Tensor | None = None  # [b, T] current critic, differentiable
     old_values: Tensor | None = None  # [b, T] critic at rollout time
     returns: Tensor | None = None  # [b, T] critic targets
