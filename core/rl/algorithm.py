@@ -18,7 +18,8 @@ The flags (`needs_old_logprobs`, `requires_reference`/`critic`/`teacher`/`step_r
 which forward passes and inputs the stage prepares. What one algorithm alone needs is an opt-in capability
 of `alignflow.core.rl.capabilities` that the stage checks with `has(algo, Capability)`: guided samples
 (`GuidedSamples`), replayed groups (`Replay`), refill rounds (`Regenerate`), a cost reward
-(`CostConstrained`), checkpointed state (`Stateful`) and parameters of its own (`ExtraParameters`).
+(`CostConstrained`), checkpointed state (`Stateful`), parameters of its own (`ExtraParameters`) and each
+reward's values apart (`RewardComponents`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Rollout:
     guided: Tensor | None = None
     # [B] the raw values of the reward the algorithm names as `cost_reward`, NaN where it failed (None)
     costs: Tensor | None = None
+    # [B, K] each stage reward's raw values, NaN where it returned None, for `RewardComponents` algorithms
+    reward_values: Tensor | None = None
+    reward_weights: tuple[float, ...] | None = None  # the K rewards' weights in the stage, same order
 
     def __post_init__(self):
         b, t = self.response_mask.shape
@@ -76,7 +80,7 @@ class Rollout:
             value = getattr(self, f.name)
             if isinstance(value, Tensor) and value.shape[0] != b:
                 raise ValueError(f"Rollout.{f.name} has {value.shape[0]} rows, response_mask has {b}")
-            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] != t:
+            if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] != t and f.name != "reward_values":
                 raise ValueError(f"Rollout.{f.name} has {value.shape[1]} positions, response_mask has {t}")
 
     @property
@@ -125,6 +129,7 @@ class Rollout:
             guided=rows.guided,
             ref_logprobs=rows.ref_logprobs,
             teacher_logprobs=rows.teacher_logprobs,
+            sampler_logprobs=rows.sampler_logprobs,
             values=values,
             old_values=rows.values,
             returns=None if returns is None else returns[index],
@@ -148,6 +153,7 @@ class PolicyBatch:
     guided: Tensor | None = None  # [b] bool, see Rollout.guided
     ref_logprobs: Tensor | None = None  # [b, T]
     teacher_logprobs: Tensor | None = None  # [b, T]
+    sampler_logprobs: Tensor | None = None  # [b, T] the behaviour policy mu, see Rollout.sampler_logprobs
     values: Tensor | None = None  # [b, T] current critic, differentiable
     old_values: Tensor | None = None  # [b, T] critic at rollout time
     returns: Tensor | None = None  # [b, T] critic targets

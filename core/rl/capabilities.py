@@ -9,6 +9,7 @@ its members; the stage asks `has(algo, Capability)` and drives the feature only 
     CostConstrained  cost_reward                              a weight-0 reward's raw values as Rollout.costs
     Stateful         state_dict, load_state_dict              state kept in the stage's checkpoints (RePO)
     ExtraParameters  extra_parameters                         trainable parameters beside the model's (λ-GRPO)
+    RewardComponents (a marker)                               each reward's raw values as Rollout.reward_values (GDPO)
 
 The same members on a plain `RLAlgorithm` subclass still work for one release (see `LegacyMembers`).
 """
@@ -99,7 +100,12 @@ class ExtraParameters:
         return []
 
 
-CAPABILITIES = (GuidedSamples, Replay, Regenerate, CostConstrained, Stateful, ExtraParameters)
+class RewardComponents:
+    """Each stage reward's raw values reach `advantages` as `Rollout.reward_values` [B, K] (NaN where the reward
+    returned None), their weights as `Rollout.reward_weights`, beside the weighted total."""
+
+
+CAPABILITIES = (GuidedSamples, Replay, Regenerate, CostConstrained, Stateful, ExtraParameters, RewardComponents)
 
 
 def members(capability: type) -> list[str]:

@@ -18,7 +18,7 @@ from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.rl.algorithm import Rollout
 from alignflow.core.environments.episodes import episode_metrics
 from alignflow.core.rl.capabilities import Regenerate, has
-from alignflow.flows.stages.rl.costs import cost_label
+from alignflow.flows.stages.rl.costs import cost_label, reward_components
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
@@ -158,6 +158,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     sources = {}  # group id -> its dataset row
     times = {"generate": 0.0, "score": 0.0}
     cap, cost = algo.max_gen_batches if has(algo, Regenerate) else 1, cost_label(algo)
+    components = reward_components(algo, rewards)
     while n_kept < want and (cap == 0 or rounds < cap):
         index, mine, seed = round_share(ctx, step, rounds, dataset, draw)
         rows = [dataset[i] for i in index]
@@ -168,7 +169,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost)
+        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost, components)
         keep = algo.filter_groups(batch.rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
@@ -202,9 +203,11 @@ def whole_round(samples: Samples) -> Samples:
     return joined.take(sorted(range(len(joined)), key=joined.group.__getitem__))
 
 
-def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | None = None) -> Batch:
+def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | None = None,
+             components: dict[str, float] | None = None) -> Batch:
     """Right-pad prompt+completion ids to the longest sequence; the sampler's log-probs as pi_old; `cost`, the
-    label of the algorithm's cost reward, gives `Rollout.costs` its raw values (NaN where it failed)."""
+    label of the algorithm's cost reward, gives `Rollout.costs` its raw values (NaN where it failed);
+    `components` ({label: weight}) gives `Rollout.reward_values` and `reward_weights`."""
     prompt_len = [len(p) for p in samples.prompt_ids]
     seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids = pad(seqs, pad_id)
@@ -227,10 +230,17 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | Non
         correct=torch.tensor(samples.correct, dtype=torch.float32), truncated=torch.tensor(samples.truncated),
         step_rewards=step_rewards, step_mask=step_mask, sampler_logprobs=sampled,
         guided=None if samples.guided is None else torch.tensor(samples.guided, dtype=torch.bool),
-        costs=None if cost is None else torch.tensor([math.nan if v is None else v for v in samples.values[cost]],
-                                                     dtype=torch.float32),
+        costs=None if cost is None else raw_values(samples, [cost])[:, 0],
+        reward_values=None if components is None else raw_values(samples, list(components)),
+        reward_weights=None if components is None else tuple(components.values()),
     )
     return Batch(ids, attention, rollout)
+
+
+def raw_values(samples: Samples, labels: list[str]) -> torch.Tensor:
+    """[B, K] the raw values of the rewards `labels`, NaN where one returned None."""
+    return torch.tensor([[math.nan if v is None else v for v in samples.values[label]] for label in labels],
+                        dtype=torch.float32).reshape(len(labels), len(samples)).T
 
 
 def rollout_metrics(kept: Samples, drawn: Samples) -> dict[str, float]:

@@ -10,7 +10,8 @@ from alignflow.core.plugins import get_plugins
 from alignflow.core.rewards import RewardSet
 from alignflow.core.rl.algorithm import RLAlgorithm
 from alignflow.core.rl.capabilities import (CAPABILITIES, CostConstrained, ExtraParameters, GuidedSamples,
-                                            LegacyMembers, Regenerate, Replay, Stateful, has, members)
+                                            LegacyMembers, Regenerate, Replay, RewardComponents, Stateful, has,
+                                            members)
 from alignflow.core.spec.settings import RLSettings
 from alignflow.flows.stages.rl.costs import cost_label
 from alignflow.flows.stages.rl.guided import with_guided
@@ -23,6 +24,7 @@ from alignflow.plugins.grpo import GRPO
 EXPECTED = {  # built-in algorithm -> the capabilities it opts into
     "expo": {GuidedSamples}, "repo": {CostConstrained, Stateful}, "offpolicy_grpo": {Replay},
     "dapo": {Regenerate}, "ngrpo": {Regenerate}, "lambda_grpo": {ExtraParameters},
+    "gdpo": {RewardComponents},
 }
 REQUIRED_CONFIG = {"repo": {"cost_reward": "cost"}}
 RL = sorted(e.name for e in get_plugins().algorithms if getattr(e.obj, "stage", None) == "rl")
