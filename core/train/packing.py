@@ -125,8 +125,9 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
     device = input_ids.device
     prompts = None
     if share_prompts and masks_work(model):
-        first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + attention_mask.int().argmax(-1))
-        prompts = (first - attention_mask.int().argmax(-1)).tolist()
+        start = attention_mask.int().argmax(-1)
+        first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + start)
+        prompts = (first - start).tolist()
     lay = layout(input_ids, attention_mask, prompts)
     packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=device)
     packed[lay.target] = input_ids.reshape(-1)[lay.source]
