@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from alignflow.core.contracts import PluginConfig
 
@@ -148,6 +148,25 @@ class RLSettings(PolicySettings):
     # sampler's probability and pi_old the trainer's (recomputed), which corrects the rollout/trainer
     # mismatch; None: no correction. The paper (and TRL, verl) use 2.
     tis_cap: float | None = Field(None, gt=0.0)
+    # IcePop (inclusionAI's Ring team, 2025; the Ring-1T report, arXiv 2510.18855): each token's policy loss is
+    # weighted by k = pi_old / mu where alpha <= k <= beta and by 0 outside: the tokens on which trainer and
+    # sampler disagree that much are dropped rather than capped as `tis_cap` does (they still count in the
+    # loss's token count, as in verl, OpenRLHF and AReaL). [alpha, beta]; [0.5, 5] in the report and all three.
+    # None: off. Not with `tis_cap`.
+    icepop: tuple[float, float] | None = None
+
+    @field_validator("icepop")
+    @classmethod
+    def _band(cls, band):
+        if band is not None and not 0 <= band[0] <= 1 <= band[1]:
+            raise ValueError(f"icepop: expected [alpha, beta] with 0 <= alpha <= 1 <= beta, got {list(band)}")
+        return band
+
+    @model_validator(mode="after")
+    def _one_correction(self):
+        if self.icepop is not None and self.tis_cap is not None:
+            raise ValueError("icepop and tis_cap both correct the sampler/trainer mismatch: set one of them")
+        return self
     # The trainer's forwards (policy, pi_old, reference) pack each micro-batch's sequences end to end
     # into as few rows as hold them, instead of padding every row to the longest: same log-probs, less
     # compute. Models whose attention cannot separate packed sequences fall back to padding.

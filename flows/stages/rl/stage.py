@@ -207,7 +207,8 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
     logprobs = partial(policy_logprobs, temperature=temperature(s), packed=s.pack_sequences)
     fill = {}
     p.sampler.release()  # a GPU engine frees its memory while the trainer steps
-    if s.recompute_old_logprobs or s.tis_cap is not None or (kept.logprobs is None and p.algo.needs_old_logprobs):
+    corrects = s.tis_cap is not None or s.icepop is not None  # pi_old / mu needs the trainer's pi_old
+    if s.recompute_old_logprobs or corrects or (kept.logprobs is None and p.algo.needs_old_logprobs):
         fill["old_logprobs"] = logprobs(p.engine.model)
     if p.reference is not None:
         fill["ref_logprobs"] = logprobs(p.reference)

@@ -87,7 +87,7 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
             micro, weight = trained(micro, minibatch, inert, s.micro_batch_size)
             step_loss = 0.0
             for rows in shard.mine(micro):
-                metrics, ent = forward(rows, norm=norm, weight=weight, tis_cap=s.tis_cap,
+                metrics, ent = forward(rows, norm=norm, weight=weight, tis_cap=s.tis_cap, icepop=s.icepop,
                                        measure=epoch == 0 and index == 0)
                 if epoch == 0:
                     entropy += ent
@@ -120,10 +120,11 @@ def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: 
 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
                norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
-               measure: bool = False, packed: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+               icepop: tuple[float, float] | None = None, measure: bool = False,
+               packed: bool = False) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
-    token count) of the rows. `tis_cap` weights each token's policy loss by min(pi_old / mu, cap) (mu the
-    sampler's probability); `measure` (the first minibatch, before any update) adds the gap between the
+    token count) of the rows. `tis_cap` or `icepop` weight each token's policy loss (`mismatch_weights`);
+    `measure` (the first minibatch, before any update) adds the gap between the
     sampler's log-probs and the trainer's on the sampled tokens."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
@@ -136,10 +137,10 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
         sampled = r.sampler_logprobs[rows]
         if measure:
             metrics.update(mismatch_metrics(view.logprobs.detach(), sampled, view.response_mask))
-        if tis_cap is not None:
-            tis = torch.exp((view.old_logprobs - sampled).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            per_token = per_token * tis.clamp(max=tis_cap).detach()
-            metrics["rollout/tis_capped_frac"] = masked_mean((tis > tis_cap).float(), view.response_mask)
+        if tis_cap is not None or icepop is not None:
+            weights, counted = mismatch_weights(view.old_logprobs, sampled, view.response_mask, tis_cap, icepop)
+            per_token = per_token * weights
+            metrics.update(counted)
     loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
     engine.backward(loss * weight)
     metrics["actor/loss"] = loss.detach()
@@ -148,6 +149,18 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
         critic.backward(aggregate(value_loss, view.response_mask, algo.loss_agg_mode, norm) * weight)
         metrics.update(value_metrics)
     return metrics, torch.stack([(entropy.detach() * mask).sum(), mask.sum()])
+
+
+def mismatch_weights(old_logprobs: Tensor, sampled: Tensor, mask: Tensor, tis_cap: float | None = None,
+                     icepop: tuple[float, float] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token weights (detached) that correct for the sampler: k = pi_old / mu, mu the sampler's probability
+    of the token and pi_old the trainer's. Truncated importance sampling (Yao et al. 2025): min(k, tis_cap).
+    IcePop: k inside [alpha, beta] (bounds included), 0 outside. With the fraction of tokens capped or dropped."""
+    k = torch.exp((old_logprobs - sampled).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    if icepop is not None:
+        out = (k < icepop[0]) | (k > icepop[1])
+        return k.masked_fill(out, 0.0), {"rollout/icepop_masked_frac": masked_mean(out.float(), mask)}
+    return k.clamp(max=tis_cap), {"rollout/tis_capped_frac": masked_mean((k > tis_cap).float(), mask)}
 
 
 def mismatch_metrics(trainer: Tensor, sampler: Tensor, mask: Tensor) -> dict[str, Tensor]:

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from alignflow.core import hookimpl
+from alignflow.core.spec.settings import RLSettings
+from alignflow.flows.stages.rl.update import mismatch_weights
 from alignflow.plugins.hf import HFSampler
 
 from tests.flows.stages.rl.test_rl_stage import make_ctx, plugins, tiny, weights, write_rows  # noqa: F401
@@ -70,3 +72,39 @@ def test_tis_weights_every_token_by_its_capped_ratio(tmp_path, shifted, tiny):  
     step_tis = torch.cat([(corrected[k] - start[k]).flatten() for k in moved])
     assert (step_tis.norm() / step.norm()).item() == pytest.approx(2.0, rel=1e-4)
     torch.testing.assert_close(step_tis, 2 * step, rtol=1e-3, atol=1e-6)  # weights' own rounding in the deltas
+
+
+def test_mismatch_weights_by_hand():
+    """k = pi_old / mu per token: 1, 0.25, 9, and the IcePop band's own bounds 0.5 and 5 (kept: bounds included)."""
+    old = torch.tensor([[0.5, 0.2, 0.9, 0.1, 0.5]]).log()
+    mu = torch.tensor([[0.5, 0.8, 0.1, 0.2, 0.1]]).log()
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    w, m = mismatch_weights(old, mu, mask, icepop=(0.5, 5.0))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 0.0, 0.5, 5.0]]))  # 0.25 < 0.5 and 9 > 5 dropped
+    assert m["rollout/icepop_masked_frac"].item() == pytest.approx(2 / 5)
+    w, m = mismatch_weights(old, mu, mask, tis_cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.25, 2.0, 0.5, 2.0]]))  # min(k, 2)
+    assert m["rollout/tis_capped_frac"].item() == pytest.approx(2 / 5)
+
+
+def test_icepop_weights_tokens_in_its_band_and_drops_the_rest(tmp_path, shifted, tiny):  # noqa: F811
+    """pi_old / mu = 4 on every token: inside [0.5, 5] each token's loss is weighted by 4, so the SGD step is 4
+    times the uncorrected one; outside [0.5, 3] every token is dropped and nothing moves."""
+    start = weights(tiny)
+    plain, _ = run(tmp_path / "plain", shifted, tiny, recompute_old_logprobs=True)
+    kept, metrics = run(tmp_path / "kept", shifted, tiny, icepop=(0.5, 5.0))
+    assert metrics["rollout/icepop_masked_frac"] == 0.0
+    moved = [k for k in start if not torch.equal(start[k], plain[k])]
+    step = torch.cat([(plain[k] - start[k]).flatten() for k in moved])
+    step_kept = torch.cat([(kept[k] - start[k]).flatten() for k in moved])
+    torch.testing.assert_close(step_kept, 4 * step, rtol=1e-3, atol=1e-6)
+    dropped, metrics = run(tmp_path / "dropped", shifted, tiny, icepop=(0.5, 3.0))
+    assert metrics["rollout/icepop_masked_frac"] == pytest.approx(1.0)
+    assert all(torch.equal(start[k], dropped[k]) for k in start)
+
+
+def test_icepop_and_tis_are_one_choice():
+    with pytest.raises(ValueError, match="set one of them"):
+        RLSettings(icepop=(0.5, 5.0), tis_cap=2.0)
+    with pytest.raises(ValueError, match=r"0 <= alpha <= 1 <= beta, got \[2.0, 5.0\]"):
+        RLSettings(icepop=(2.0, 5.0))
