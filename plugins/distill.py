@@ -3,14 +3,17 @@ Thinking Machines' "On-Policy Distillation", 2025)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor
 
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
-from alignflow.core.rl.algorithm import PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core.rl.algorithm import (PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast,
+                                         with_kl_loss)
+from alignflow.core.rl.capabilities import TeacherDistributions
+from alignflow.core.rl.divergence import Divergence, logit_divergence
 from alignflow.core.rl.parts import discounted_returns, group_normalize, kl_estimate, masked_mean
 
 
@@ -21,10 +24,27 @@ class DistillConfig(PolicyGradientConfig):
     kl_discount: float = Field(0.0, ge=0.0, le=1.0)
     reward_weight: float = Field(0.0, ge=0.0)  # weight of the verifier's group advantage; 0: pure distillation
     scale_rewards: bool = False  # divide the verifier advantage by the group std (GRPO); Tinker only centres it
-    loss_agg_mode: AggMode = "token-mean"  # a mean over the step's tokens, as TRL's and NeMo-RL's distillation
+    # None: "token-mean" for `sampled` (TRL's and NeMo-RL's distillation), "seq-mean-token-mean" for `top_k` and
+    # `full` (GKD's (1/L_y) sum_n per sequence, then a mean over sequences); "token-mean" there is TRL's GKD
+    loss_agg_mode: AggMode | None = None
+    # sampled: the teacher's log-prob of each sampled token as a reward (below); top_k / full: the divergence
+    # between the teacher's and the student's next-token distributions, differentiated directly
+    form: Literal["sampled", "top_k", "full"] = "sampled"
+    divergence: Divergence = "jsd"  # of `top_k` / `full`: forward_kl, reverse_kl or GKD's jsd (TRL's default)
+    beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD's weight of the teacher in M (GKD's and TRL's default 0.5)
+    top_k: int = Field(64, ge=1)  # k of `top_k`: the teacher's k likeliest tokens at each position
+    # top_k: both distributions renormalised over the k tokens; False: verl's unrenormalised sum (tail ignored)
+    top_k_renormalize: bool = True
+    chunk_positions: int = Field(256, ge=1)  # positions per softmax chunk of the top_k / full divergence
+
+    @model_validator(mode="after")
+    def _form_fields(self):
+        if self.form != "sampled" and self.kl_discount > 0:
+            raise ValueError(f"kl_discount applies to form 'sampled' only, not to form '{self.form}'")
+        return self
 
 
-class Distill(PolicyGradient):
+class Distill(TeacherDistributions, PolicyGradient):
     """On-policy distillation (Agarwal et al. 2024, GKD, arXiv 2306.13649) in the sampled-token form of
     Thinking Machines' recipe (tinker-cookbook `distillation/train_on_policy.py`).
 
@@ -37,13 +57,40 @@ class Distill(PolicyGradient):
     the sampled form needs only the teacher's log-prob of each sampled token, so it runs through the
     policy-gradient loop as any RL algorithm. Teacher log-probs use the sampling temperature, as every
     log-prob of the stage. Each |log-ratio| is clamped at 10 nats (KL_CLAMP), which Tinker does not do.
+
+    `form: full` is GKD's on-policy loss (lambda = 1) on the stage's samples: at each response position n the
+    loss is D(p_T(.|y_<n) || p_S(.|y_<n)) over the vocabulary, `divergence` forward_kl KL(P||Q), reverse_kl
+    KL(Q||P) or jsd beta KL(P||M) + (1-beta) KL(Q||M), M = beta P + (1-beta) Q (P teacher, Q student;
+    `alignflow.core.rl.divergence`), differentiated directly, no importance ratio. The teacher's logits are
+    computed per micro-batch under no_grad inside the micro-step, never for the whole rollout. `form: top_k`
+    restricts both to the teacher's top_k tokens at each position, renormalised over them (`top_k_renormalize`;
+    False is verl's unrenormalised top-k forward KL). The paper averages over each sequence's tokens, then over
+    sequences (loss_agg_mode seq-mean-token-mean, the default here); TRL's token-mean is a setting. The logits
+    are divided by the stage's sampling temperature as every log-prob of the stage; TRL's loss uses 1 (sample at
+    temperature 1 for its form). TRL's beta = 0 / beta = 1 (un-scaled KLs) are forward_kl / reverse_kl here.
+    A positive `reward_weight` adds the verifier's advantage in the clipped surrogate.
     """
 
     Config: ClassVar[type[DistillConfig]] = DistillConfig
     requires_teacher: ClassVar[bool] = True
 
+    @property
+    def loss_agg_mode(self) -> str:
+        mode = self.config.loss_agg_mode
+        return mode or ("token-mean" if self.config.form == "sampled" else "seq-mean-token-mean")
+
+    @property
+    def uses_teacher_logits(self) -> bool:
+        return self.config.form != "sampled"
+
+    def inert_rows(self, rollout: Rollout, advantages: Tensor) -> Tensor | None:
+        return super().inert_rows(rollout, advantages) if self.config.form == "sampled" else None
+
     def advantages(self, rollout: Rollout):
         c, mask = self.config, rollout.response_mask
+        if c.form != "sampled":  # the divergence is the loss; only the verifier's advantage is a surrogate's
+            verifier = group_normalize(rollout.rewards, rollout.group, scale=c.scale_rewards)
+            return c.reward_weight * broadcast(verifier, mask), None
         if rollout.teacher_logprobs is None:
             raise ValueError("distill needs rollout.teacher_logprobs: the rl stage fills them from its `teacher` input")
         # k1 on pi_old's samples: log pi_old - log pi_teacher, the sampled reverse KL of each token
@@ -62,6 +109,23 @@ class Distill(PolicyGradient):
         metrics["distill/reverse_kl"] = masked_mean(batch.old_logprobs - batch.teacher_logprobs,
                                                     batch.response_mask).detach()
         return loss, metrics
+
+    def distribution_loss(self, batch: PolicyBatch, student_logits: Tensor, teacher_logits: Tensor):
+        c, mask = self.config, batch.response_mask
+        top_k = c.top_k if c.form == "top_k" else None
+        div = logit_divergence(student_logits, teacher_logits, c.divergence, c.beta, top_k, c.top_k_renormalize,
+                               c.chunk_positions) * mask
+        metrics = {f"distill/{c.divergence}": masked_mean(div.detach(), mask)}
+        if c.reward_weight > 0:
+            surrogate, more = super().loss(batch)
+            div = div + surrogate
+            metrics.update(more)
+        elif c.kl_loss_coef > 0:
+            div, more = with_kl_loss(div, batch, c, {})
+            metrics.update(more)
+        if batch.teacher_logprobs is not None:
+            metrics["distill/reverse_kl"] = masked_mean(batch.old_logprobs - batch.teacher_logprobs, mask)
+        return div, {k: v.detach() for k, v in metrics.items()}
 
 
 @hookimpl

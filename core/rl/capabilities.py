@@ -10,6 +10,7 @@ its members; the stage asks `has(algo, Capability)` and drives the feature only 
     Stateful         state_dict, load_state_dict              state kept in the stage's checkpoints (RePO)
     ExtraParameters  extra_parameters                         trainable parameters beside the model's (λ-GRPO)
     RewardComponents (a marker)                               each reward's raw values as Rollout.reward_values (GDPO)
+    TeacherDistributions uses_teacher_logits, distribution_loss a loss on the teacher's and student's logits (GKD)
 
 The same members on a plain `RLAlgorithm` subclass still work for one release (see `LegacyMembers`).
 """
@@ -103,6 +104,19 @@ class ExtraParameters:
 class RewardComponents:
     """Each stage reward's raw values reach `advantages` as `Rollout.reward_values` [B, K] (NaN where the reward
     returned None), their weights as `Rollout.reward_weights`, beside the weighted total."""
+
+
+class TeacherDistributions:
+    """When `uses_teacher_logits`, each micro-step runs the frozen teacher on the micro-batch (no_grad) and calls
+    `distribution_loss` with both models' next-token logits at the response positions, instead of `loss`."""
+
+    @property
+    def uses_teacher_logits(self) -> bool:
+        return False
+
+    def distribution_loss(self, batch, student_logits: Tensor, teacher_logits: Tensor):
+        """[b, T] per-token loss and detached metrics from [b, T, V] logits (position t predicts token t)."""
+        raise NotImplementedError
 
 
 CAPABILITIES = (GuidedSamples, Replay, Regenerate, CostConstrained, Stateful, ExtraParameters, RewardComponents)

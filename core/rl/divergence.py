@@ -1,0 +1,78 @@
+"""Divergences between a teacher's and a student's next-token distributions, from their logits.
+
+P = teacher, Q = student, both softmax(logits) over the last dimension (the vocabulary, or the teacher's top-k):
+
+    forward KL   KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))                          mode covering
+    reverse KL   KL(Q || P) = sum_v Q(v) (log Q(v) - log P(v))                          mode seeking
+    JSD(beta)    beta KL(P || M) + (1 - beta) KL(Q || M),   M = beta P + (1 - beta) Q    (GKD, arXiv 2306.13649)
+
+JSD(beta) / beta -> KL(P || Q) as beta -> 0 and JSD(beta) / (1 - beta) -> KL(Q || P) as beta -> 1, while JSD(beta)
+itself goes to 0 at both ends. TRL's `generalized_jsd_loss` computes the same JSD(beta) strictly inside (0, 1)
+but switches to the un-scaled KL at beta = 0 (forward) and beta = 1 (reverse), so its loss jumps by about 1 / beta
+at the ends: here those are the separate `forward_kl` and `reverse_kl` divergences, and JSD needs 0 < beta < 1.
+The student receives a gradient through Q both in M and in KL(Q || M), as in TRL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
+
+
+def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
+    """sum_v p (log p - log q) over the last dimension; 0 where p = 0 (a -inf logit, a masked token)."""
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+
+
+def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
+                    renormalize: bool = True) -> tuple[Tensor, Tensor]:
+    """The student's and teacher's log-probs [..., k] on the teacher's k most likely tokens at each position.
+
+    `renormalize` (default): both distributions are renormalised over those k tokens (a softmax of the k
+    logits), so each is a distribution and every divergence keeps its meaning. False: the full-vocabulary
+    log-probs of the k tokens, their tail mass ignored, as verl's `compute_forward_kl_topk` does; the forward KL
+    is then verl's sum_{v in top-k} P(v) (log P(v) - log Q(v)).
+    """
+    index = teacher_logits.topk(k, dim=-1).indices
+    if renormalize:
+        return student_logits.gather(-1, index).log_softmax(-1), teacher_logits.gather(-1, index).log_softmax(-1)
+    return student_logits.log_softmax(-1).gather(-1, index), teacher_logits.log_softmax(-1).gather(-1, index)
+
+
+def divergence(student_log_probs: Tensor, teacher_log_probs: Tensor, kind: Divergence, beta: float = 0.5) -> Tensor:
+    """The per-position divergence [...] of the student from the teacher, summed over the last dimension."""
+    s, t = student_log_probs, teacher_log_probs
+    if kind == "forward_kl":
+        return _kl(t, s)
+    if kind == "reverse_kl":
+        return _kl(s, t)
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd needs 0 < beta < 1, got {beta}: use forward_kl (beta -> 0) or reverse_kl (beta -> 1)")
+    log_m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
+    return beta * _kl(t, log_m) + (1.0 - beta) * _kl(s, log_m)
+
+
+def logit_divergence(student_logits: Tensor, teacher_logits: Tensor, kind: Divergence, beta: float = 0.5,
+                     top_k: int | None = None, renormalize: bool = True, chunk: int = 256) -> Tensor:
+    """[b, T] divergence at each position from [b, T, V] logits (float32 at least), over `chunk` positions at a
+    time so the softmax intermediates are of one chunk; `top_k` restricts both to the teacher's k likeliest
+    tokens (`top_k_log_probs`). A logits width past the shared vocabulary (a padded embedding) is cut off."""
+    width = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    out = []
+    for lo in range(0, student_logits.shape[1], chunk):
+        s = student_logits[:, lo:lo + chunk, :width]
+        t = teacher_logits[:, lo:lo + chunk, :width].to(s.device)
+        dtype = torch.promote_types(s.dtype, torch.float32)
+        s, t = s.to(dtype), t.to(dtype)
+        if top_k is not None and top_k < width:
+            s, t = top_k_log_probs(s, t, top_k, renormalize)
+        else:
+            s, t = s.log_softmax(-1), t.log_softmax(-1)
+        out.append(divergence(s, t, kind, beta))
+    return torch.cat(out, dim=1)
