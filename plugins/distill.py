@@ -13,7 +13,7 @@ from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.rl.algorithm import (PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast,
                                          with_kl_loss)
 from alignflow.core.rl.capabilities import TeacherDistributions
-from alignflow.core.rl.divergence import Divergence, logit_divergence
+from alignflow.core.rl.divergence import Divergence, TopKTail, logit_divergence
 from alignflow.core.rl.parts import discounted_returns, group_normalize, kl_estimate, masked_mean
 
 
@@ -33,8 +33,9 @@ class DistillConfig(PolicyGradientConfig):
     divergence: Divergence = "jsd"  # of `top_k` / `full`: forward_kl, reverse_kl or GKD's jsd (TRL's default)
     beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD's weight of the teacher in M (GKD's and TRL's default 0.5)
     top_k: int = Field(64, ge=1)  # k of `top_k`: the teacher's k likeliest tokens at each position
-    # top_k: both distributions renormalised over the k tokens; False: verl's unrenormalised sum (tail ignored)
-    top_k_renormalize: bool = True
+    # what top_k does with the other tokens' mass: renormalize both over the k tokens, drop it (verl's forward KL),
+    # or bucket it as a (k+1)-th outcome; see alignflow.core.rl.divergence.top_k_log_probs
+    top_k_tail: TopKTail = "renormalize"
     chunk_positions: int = Field(256, ge=1)  # positions per softmax chunk of the top_k / full divergence
 
     @model_validator(mode="after")
@@ -63,8 +64,9 @@ class Distill(TeacherDistributions, PolicyGradient):
     KL(Q||P) or jsd beta KL(P||M) + (1-beta) KL(Q||M), M = beta P + (1-beta) Q (P teacher, Q student;
     `alignflow.core.rl.divergence`), differentiated directly, no importance ratio. The teacher's logits are
     computed per micro-batch under no_grad inside the micro-step, never for the whole rollout. `form: top_k`
-    restricts both to the teacher's top_k tokens at each position, renormalised over them (`top_k_renormalize`;
-    False is verl's unrenormalised top-k forward KL). The paper averages over each sequence's tokens, then over
+    restricts both to the teacher's top_k tokens at each position, renormalised over them by default
+    (`top_k_tail`: the student's mass outside them then gets no gradient; `drop` is verl's unrenormalised top-k
+    forward KL, `bucket` keeps the rest as one more outcome). The paper averages over each sequence's tokens, then over
     sequences (loss_agg_mode seq-mean-token-mean, the default here); TRL's token-mean is a setting. The logits
     are divided by the stage's sampling temperature as every log-prob of the stage; TRL's loss uses 1 (sample at
     temperature 1 for its form). TRL's beta = 0 / beta = 1 (un-scaled KLs) are forward_kl / reverse_kl here.
@@ -113,7 +115,7 @@ class Distill(TeacherDistributions, PolicyGradient):
     def distribution_loss(self, batch: PolicyBatch, student_logits: Tensor, teacher_logits: Tensor):
         c, mask = self.config, batch.response_mask
         top_k = c.top_k if c.form == "top_k" else None
-        div = logit_divergence(student_logits, teacher_logits, c.divergence, c.beta, top_k, c.top_k_renormalize,
+        div = logit_divergence(student_logits, teacher_logits, c.divergence, c.beta, top_k, c.top_k_tail,
                                c.chunk_positions) * mask
         metrics = {f"distill/{c.divergence}": masked_mean(div.detach(), mask)}
         if c.reward_weight > 0:

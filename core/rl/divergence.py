@@ -30,19 +30,37 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
     return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
 
 
-def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
-                    renormalize: bool = True) -> tuple[Tensor, Tensor]:
-    """The student's and teacher's log-probs [..., k] on the teacher's k most likely tokens at each position.
+TopKTail = Literal["renormalize", "drop", "bucket"]
 
-    `renormalize` (default): both distributions are renormalised over those k tokens (a softmax of the k
-    logits), so each is a distribution and every divergence keeps its meaning. False: the full-vocabulary
-    log-probs of the k tokens, their tail mass ignored, as verl's `compute_forward_kl_topk` does; the forward KL
-    is then verl's sum_{v in top-k} P(v) (log P(v) - log Q(v)).
+
+def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
+                    tail: TopKTail = "renormalize") -> tuple[Tensor, Tensor]:
+    """The student's and teacher's log-probs on the teacher's k most likely tokens at each position.
+
+    `tail` says what becomes of the other tokens' mass:
+    renormalize (default): both distributions are renormalised over the k tokens (a softmax of the k logits), so
+      each is a distribution; the student's mass outside the k tokens then has no gradient at all: it is not
+      pushed into them, only shaped inside them.
+    drop: the full-vocabulary log-probs of the k tokens, their tail mass ignored, as verl's
+      `compute_forward_kl_topk`; the forward KL is then verl's sum_{v in top-k} P(v) (log P(v) - log Q(v)), which
+      does raise the student's mass on the k tokens. (The reverse KL and JSD of such partial sums are not
+      divergences: use them with `renormalize` or `bucket`.)
+    bucket: k + 1 outcomes, the k tokens and one for all the others (each side's tail mass), both still
+      distributions, so the student's tail mass is penalised too.
     """
     index = teacher_logits.topk(k, dim=-1).indices
-    if renormalize:
+    if tail == "renormalize":
         return student_logits.gather(-1, index).log_softmax(-1), teacher_logits.gather(-1, index).log_softmax(-1)
-    return student_logits.log_softmax(-1).gather(-1, index), teacher_logits.log_softmax(-1).gather(-1, index)
+    s, t = student_logits.log_softmax(-1).gather(-1, index), teacher_logits.log_softmax(-1).gather(-1, index)
+    if tail == "drop":
+        return s, t
+    return _with_tail(s), _with_tail(t)
+
+
+def _with_tail(log_p: Tensor) -> Tensor:
+    """[..., k] log-probs and log(1 - their mass) as a last outcome: [..., k + 1]."""
+    mass = log_p.logsumexp(-1, keepdim=True).clamp(max=0.0)
+    return torch.cat([log_p, torch.log(-torch.expm1(mass))], dim=-1)
 
 
 def divergence(student_log_probs: Tensor, teacher_log_probs: Tensor, kind: Divergence, beta: float = 0.5) -> Tensor:
@@ -59,7 +77,7 @@ def divergence(student_log_probs: Tensor, teacher_log_probs: Tensor, kind: Diver
 
 
 def logit_divergence(student_logits: Tensor, teacher_logits: Tensor, kind: Divergence, beta: float = 0.5,
-                     top_k: int | None = None, renormalize: bool = True, chunk: int = 256) -> Tensor:
+                     top_k: int | None = None, tail: TopKTail = "renormalize", chunk: int = 256) -> Tensor:
     """[b, T] divergence at each position from [b, T, V] logits (float32 at least), over `chunk` positions at a
     time so the softmax intermediates are of one chunk; `top_k` restricts both to the teacher's k likeliest
     tokens (`top_k_log_probs`). A logits width past the shared vocabulary (a padded embedding) is cut off."""
@@ -71,7 +89,7 @@ def logit_divergence(student_logits: Tensor, teacher_logits: Tensor, kind: Diver
         dtype = torch.promote_types(s.dtype, torch.float32)
         s, t = s.to(dtype), t.to(dtype)
         if top_k is not None and top_k < width:
-            s, t = top_k_log_probs(s, t, top_k, renormalize)
+            s, t = top_k_log_probs(s, t, top_k, tail)
         else:
             s, t = s.log_softmax(-1), t.log_softmax(-1)
         out.append(divergence(s, t, kind, beta))

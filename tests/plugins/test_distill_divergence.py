@@ -82,9 +82,25 @@ def test_top_k_renormalises_both_over_the_teachers_top_tokens():
 
 def test_top_k_without_renormalising_is_verls_sum():
     # sum over the teacher's top 2 of P (log P - log Q), the tail mass ignored
-    got = logit_divergence(Q4.log()[None, None], P4.log()[None, None], "forward_kl", top_k=2,
-                           renormalize=False).item()
+    got = logit_divergence(Q4.log()[None, None], P4.log()[None, None], "forward_kl", top_k=2, tail="drop").item()
     assert got == pytest.approx(0.4 * ln(4) + 0.3 * ln(1.5), abs=1e-12)
+
+
+def test_top_k_with_a_tail_bucket():
+    # outcomes {0, 1, rest}: P = [0.4, 0.3, 0.3], Q = [0.1, 0.2, 0.7]
+    s, t = top_k_log_probs(Q4.log(), P4.log(), 2, "bucket")
+    torch.testing.assert_close(t.exp(), torch.tensor([0.4, 0.3, 0.3], dtype=torch.float64))
+    torch.testing.assert_close(s.exp(), torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64))
+    got = logit_divergence(Q4.log()[None, None], P4.log()[None, None], "reverse_kl", top_k=2, tail="bucket").item()
+    assert got == pytest.approx(0.1 * ln(0.1 / 0.4) + 0.2 * ln(0.2 / 0.3) + 0.7 * ln(0.7 / 0.3), abs=1e-12)
+
+
+def test_renormalised_top_k_leaves_the_students_tail_alone():
+    z = Q4.log().clone().requires_grad_()
+    logit_divergence(z[None, None], P4.log()[None, None], "forward_kl", top_k=2).sum().backward()
+    assert torch.equal(z.grad[2:], torch.zeros(2, dtype=torch.float64))  # tokens 2 and 3: no gradient
+    # inside the top 2: Q' - P' = [1/3 - 4/7, 2/3 - 3/7]
+    torch.testing.assert_close(z.grad[:2], torch.tensor([1 / 3 - 4 / 7, 2 / 3 - 3 / 7], dtype=torch.float64))
 
 
 def test_top_k_of_the_whole_vocabulary_is_the_full_form_and_chunks_change_nothing():

@@ -175,7 +175,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     advantages, returns = p.algo.advantages(batch.rollout)
     trained = time.perf_counter()
     metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches,
-                          temperature(s), seeds.generator(seeds.minibatches(ctx.seed, step))))
+                          temperature(s), seeds.generator(seeds.minibatches(ctx.seed, step)), teacher=p.teacher))
     p.sampler.update_weights(p.engine.module)
     end = time.perf_counter()
     generated = float(sum(len(c) for c in drawn.completion_ids))

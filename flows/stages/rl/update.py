@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.capabilities import TeacherDistributions, has
 from alignflow.core.train.models import token_logprobs
 from alignflow.core.rl.parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estimate, masked_mean
+from alignflow.flows.stages.rl.distribution import distribution_step
 from alignflow.flows.stages.rl.rollout import Batch
 from alignflow.flows.stages.rl.shard import Shard
 
@@ -66,16 +68,18 @@ def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tenso
 
 
 def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tensor | None, settings,
-           n_minibatches: int, temperature: float, generator: torch.Generator) -> dict[str, float]:
+           n_minibatches: int, temperature: float, generator: torch.Generator, teacher=None) -> dict[str, float]:
     """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each.
 
     On several ranks each takes its `Shard` of a minibatch's micro-batches; the step's loss is normalised
-    over all of them (`step_norm`), so the gradient is the one-process gradient.
+    over all of them (`step_norm`), so the gradient is the one-process gradient. `teacher`: the frozen teacher
+    model, run per micro-batch for a `TeacherDistributions` algorithm that uses its logits.
     """
     r, s, shard = batch.rollout, settings, Shard.current()
     inert = algo.inert_rows(r, advantages)
     forward = partial(micro_step, engine, critic, algo, batch, advantages=advantages, returns=returns,
-                      temperature=temperature, packed=s.pack_sequences)
+                      temperature=temperature, packed=s.pack_sequences,
+                      teacher=teacher if has(algo, TeacherDistributions) and algo.uses_teacher_logits else None)
     micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
     step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
     step_losses: list[float] = []  # this rank's share of each step's loss
@@ -121,20 +125,26 @@ def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
                norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
                icepop: tuple[float, float] | None = None, measure: bool = False,
-               packed: bool = False) -> tuple[dict[str, Tensor], Tensor]:
+               packed: bool = False, teacher=None) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
     token count) of the rows. `tis_cap` or `icepop` weight each token's policy loss (`mismatch_weights`);
     `measure` (the first minibatch, before any update) adds the gap between the
-    sampler's log-probs and the trainer's on the sampled tokens."""
+    sampler's log-probs and the trainer's on the sampled tokens. With a `teacher`, the loss is the algorithm's
+    `distribution_loss` on both models' logits (`distribution_step`)."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
-    logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
-                                       return_entropy=True, packed=packed)
-    values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
-    view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns, values=values)
-    per_token, metrics = algo.loss(view)
+    if teacher is not None:
+        per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
+                                                              returns, ids, attention, mask, temperature)
+    else:
+        logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
+                                           return_entropy=True, packed=packed)
+        values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
+        view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns,
+                           values=values)
+        per_token, metrics = algo.loss(view)
     if r.sampler_logprobs is not None:
-        sampled = r.sampler_logprobs[rows]
+        sampled = view.sampler_logprobs  # the view's columns (a distribution step cuts them)
         if measure:
             metrics.update(mismatch_metrics(view.logprobs.detach(), sampled, view.response_mask))
         if tis_cap is not None or icepop is not None:
