@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import alignflow.plugins.dpo
 import alignflow.plugins.kto
+import alignflow.plugins.larpo
 import alignflow.plugins.orpo
 from alignflow.core.train.datasets import collate, load_rows, tokenize
 from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
@@ -153,6 +154,19 @@ def test_orpo_needs_no_reference_and_counts_sequence_tokens(tmp_path, files):
     # one micro-batch: the step loss is the NLL over the step's prompt+completion tokens (the norm counts
     # exactly the tokens the NLL sums) plus the odds-ratio loss
     assert first["loss"] == pytest.approx(first["nll_loss"] + first["or_loss"], rel=1e-4)
+
+
+def test_larpo_lambdarank_trains_on_pairs_from_its_one_pair_weight(tmp_path, files):
+    inputs = {"model": files["model"], "dataset": files["pairs"], "eval_dataset": files["eval_pairs"]}
+    ctx, logged = context(tmp_path, plugins(alignflow.plugins.larpo), {"name": "larpo", "config": {
+        "loss": "lambdarank", "beta": 0.5}}, inputs)
+    result = run_preference(ctx)
+    # policy = reference: s = 0, so a pair loses lambda_12 * log 2 with lambda_12 = 1 - 1/log2(3)
+    start = (1 - 1 / math.log2(3)) * math.log(2)
+    assert step_metrics(logged, 1)["loss"] == pytest.approx(start, abs=1e-5)
+    assert step_metrics(logged, 4)["loss"] < start  # it learns the training pairs
+    assert 0.0 <= result.metrics["eval/rewards/accuracies"] <= 1.0
+    assert (result.outputs["model"] / "model.safetensors").is_file()
 
 
 @pytest.fixture(scope="module")
