@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-from collections.abc import Iterator
 from pathlib import Path
+
+from alignflow.flows.store.artifacts import exclusive_lock
 
 
 def sqlite_database() -> Path | None:
@@ -24,17 +23,6 @@ def sqlite_database() -> Path | None:
     return Path(url.database)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def start_temporary_server() -> None:
     """Start Prefect's temporary server for this process now, if it would start one, holding a lock beside its
     database until the server answers.
@@ -50,5 +38,5 @@ def start_temporary_server() -> None:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
-    with _locked(db.with_name(db.name + ".start.lock")):
+    with exclusive_lock(db.with_name(db.name + ".start.lock")):
         SubprocessASGIServer().start()  # the instance Prefect's client takes (`get_client`): it starts none again

@@ -10,9 +10,8 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import hookimpl
-from alignflow.core.contracts import PluginConfig
 from alignflow.core.rl.aggregation import AggMode
-from alignflow.core.rl.algorithm import PolicyBatch, with_kl_loss
+from alignflow.core.rl.algorithm import KLLossConfig, PolicyBatch, with_kl_loss
 from alignflow.core.rl.parts import LOG_RATIO_CLAMP, masked_mean
 from alignflow.plugins.grpo import GRPO
 
@@ -20,7 +19,7 @@ DEFAULT_DELTA = {"tv": 0.2, "kl": 0.05}  # probability mass for TV, nats for KL
 BERNOULLI_EPS = 1e-8  # inside the (1 - p) terms of the binary KL, as the official code
 
 
-class DPPOConfig(PluginConfig):
+class DPPOConfig(KLLossConfig):  # kl_loss_coef 0: no KL-to-reference term in the official code
     divergence: Literal["tv", "kl"] = "tv"  # binary TV (the paper's Eq. 13) or binary KL (Eq. 14)
     # thresholds of the trust region; None: 0.2 for TV (the official code) and 0.05 for KL (its units are nats)
     delta_low: float | None = Field(None, gt=0.0)
@@ -31,8 +30,6 @@ class DPPOConfig(PluginConfig):
     # C of the detached IS weight min(pi_theta / anchor, C): 3.0 as the official code (clip_ratio_c);
     # None leaves it untruncated (SkyRL, prime-rl)
     is_cap: float | None = Field(3.0, gt=0.0)
-    kl_loss_coef: float = Field(0.0, ge=0.0)  # no KL-to-reference term in the official code
-    kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg_mode: AggMode = "token-mean"  # the official code's
     scale_rewards: bool = True  # GRPO's group advantages: divide by the group's std
 

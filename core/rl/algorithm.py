@@ -287,19 +287,18 @@ class PolicyGradient(RLAlgorithm):
         return with_kl_loss(loss, batch, c, metrics)
 
 
-def with_kl_loss(loss: Tensor, batch: PolicyBatch, config, metrics: dict[str, Tensor], ratio: Tensor | None = None):
+def with_kl_loss(loss: Tensor, batch: PolicyBatch, config: KLLossConfig, metrics: dict[str, Tensor], ratio: Tensor | None = None):
     """`loss` + kl_loss_coef * the per-token KL estimate to the reference (`actor/kl_ref`) when the coefficient
     is positive, and the metrics detached: the end of every policy loss with an optional KL term.
 
     With `kl_loss_bias_correction` the estimate (clamped first) is multiplied by `ratio`, by default the token
     ratio exp(clamp(log pi_theta - log pi_old)), differentiable; an algorithm whose ratio is per response (GSPO)
-    passes its own, as TRL uses the sequence ratio there. Configs without the `KLLossConfig` fields get its defaults.
+    passes its own, as TRL uses the sequence ratio there.
     """
     if config.kl_loss_coef > 0:
-        bound = getattr(config, "log_ratio_clamp", LOG_RATIO_CLAMP)
-        kl_clamp = getattr(config, "kl_clamp", KL_CLAMP)
-        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator, kl_clamp, bound)
-        if getattr(config, "kl_loss_bias_correction", False):
+        bound = config.log_ratio_clamp
+        kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator, config.kl_clamp, bound)
+        if config.kl_loss_bias_correction:
             if ratio is None:
                 ratio = clamp_log_ratio(batch.logprobs - batch.old_logprobs, bound).exp()
             kl = kl * ratio

@@ -27,6 +27,18 @@ CURVES = "curves.json"  # step metrics, kept so a cached stage can still be plot
 CHECKED = ".checked.json"  # {file: [size, mtime_ns]} of the files whose hash last matched, on this machine
 
 
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created, with its folder) for the block; other holders wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
 class ArtifactStore:
     """The artifacts root; one folder per (stage name, digest)."""
 
@@ -47,17 +59,9 @@ class ArtifactStore:
     def checkpoint_dir(self, stage: str, digest: str) -> Path:
         return self.folder(stage, digest) / "checkpoints"
 
-    @contextlib.contextmanager
-    def lock(self, stage: str, digest: str) -> Iterator[None]:
+    def lock(self, stage: str, digest: str) -> contextlib.AbstractContextManager[None]:
         """Hold an exclusive lock on one artifact; a second run of the same stage waits here."""
-        path = self.root / stage / f"{digest}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return exclusive_lock(self.root / stage / f"{digest}.lock")
 
     def manifest(self, stage: str, digest: str) -> dict | None:
         """The finished artifact's manifest, or None when the stage has not completed."""

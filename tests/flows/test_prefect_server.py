@@ -1,33 +1,52 @@
-"""Two `alignflow run`s started at once on one fresh PREFECT_HOME, beside two busy loops per core: each starts
-Prefect's temporary server on the same SQLite database, one after the other, and neither server fails."""
+"""Prefect's temporary server started by one process at a time per SQLite database: two `alignflow run`s started at
+once on one fresh PREFECT_HOME, beside two busy loops per core, each start it on the same database, one after the
+other, and neither server fails."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from prefect.server.api.server import SubprocessASGIServer
 
-pytestmark = pytest.mark.system
+from alignflow.flows import prefect_server
+from helpers.load import busy_loops
 
 ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
 
 
+
+def test_the_server_starts_while_the_lock_beside_its_database_is_held(tmp_path, monkeypatch):
+    db = tmp_path / "prefect.db"
+    monkeypatch.setattr(prefect_server, "sqlite_database", lambda: db)
+    held = []
+
+    def start(self):  # another open file tries the lock: it must be taken
+        with open(tmp_path / "prefect.db.start.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+
+    monkeypatch.setattr(SubprocessASGIServer, "start", start)
+    prefect_server.start_temporary_server()
+    assert held == [True]
+
+
+@pytest.mark.system
 def test_two_runs_at_once_on_one_prefect_home_under_load(tmp_path, make_project):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # no server given: each starts one
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), OMP_NUM_THREADS="1")
     projects = [make_project(tmp_path / f"p{i}") for i in range(2)]
-    loops = [subprocess.Popen(["bash", "-c", "while :; do :; done"]) for _ in range(2 * (os.cpu_count() or 1))]
-    try:
+    with busy_loops(2 * (os.cpu_count() or 1)):
         runs = [subprocess.Popen([ALIGNFLOW, "run", "chain.yaml"], cwd=p, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True) for p in projects]
         outs = [run.communicate(timeout=900)[0] for run in runs]
-    finally:
-        for loop in loops:
-            loop.kill()
-            loop.wait()
     for run, out in zip(runs, outs):
         assert run.returncode == 0, out[-3000:]
         assert "database is locked" not in out, out[-3000:]

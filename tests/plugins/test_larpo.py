@@ -8,20 +8,11 @@ from alignflow.core.train.offline import PairBatch
 from alignflow.plugins.dpo import DPO
 from alignflow.plugins.larpo import LarPO, list_losses, ranks
 
+from tests.plugins.test_dpo import pairs  # the same two worked pairs
+
 
 def log_sigmoid(x):
     return -math.log(1 + math.exp(-x))
-
-
-def pairs(requires_grad=False):
-    """Two pairs: policy/reference summed log-probs of chosen and rejected completions."""
-    t = lambda v: torch.tensor(v, dtype=torch.float64, requires_grad=requires_grad)
-    return PairBatch(
-        policy_chosen_logps=t([-1.0, -4.0]), policy_rejected_logps=t([-3.0, -2.0]),
-        chosen_lengths=torch.tensor([2, 4]), rejected_lengths=torch.tensor([5, 2]),
-        ref_chosen_logps=torch.tensor([-2.0, -3.5], dtype=torch.float64),
-        ref_rejected_logps=torch.tensor([-2.5, -2.5], dtype=torch.float64),
-    )
 
 
 LISTS = torch.tensor([[1.0, 0.5, -0.5], [-0.5, 1.0, 0.0]], dtype=torch.float64)  # best first
