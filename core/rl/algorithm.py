@@ -287,7 +287,8 @@ class PolicyGradient(RLAlgorithm):
         return with_kl_loss(loss, batch, c, metrics)
 
 
-def with_kl_loss(loss: Tensor, batch: PolicyBatch, config: KLLossConfig, metrics: dict[str, Tensor], ratio: Tensor | None = None):
+def with_kl_loss(loss: Tensor, batch: PolicyBatch, config: KLLossConfig, metrics: dict[str, Tensor],
+                 ratio: Tensor | None = None):
     """`loss` + kl_loss_coef * the per-token KL estimate to the reference (`actor/kl_ref`) when the coefficient
     is positive, and the metrics detached: the end of every policy loss with an optional KL term.
 
