@@ -16,6 +16,7 @@ import inspect
 import json
 import sqlite3
 import sys
+import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -109,6 +110,25 @@ def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
     return h.hexdigest()
 
 
+
+# CPython before 3.11.8 and 3.12.2 keeps one AST-conversion depth per interpreter: two ast.parse calls interleaved
+# across threads (stages planned or digested at once) leave it wrong, and that and every later parse in the process
+# raise "SystemError: AST constructor recursion depth mismatch" (seen in CI on 3.11.7). One parse at a time.
+_PARSE = threading.Lock()
+
+
+def _parse_text(text: str) -> ast.Module:
+    with _PARSE:
+        return ast.parse(text)
+
+
+def _parse(path: str | None) -> ast.Module | None:
+    """The module at `path` parsed, or None when there is none or it cannot be read or parsed."""
+    try:
+        return _parse_text(Path(path).read_text()) if path else None
+    except (OSError, SyntaxError, ValueError):
+        return None
+
 def _module_file(name: str) -> str | None:
     """The source file of module `name`, found without importing it (its parent packages do get imported)."""
     module = sys.modules.get(name)
@@ -126,10 +146,7 @@ def _source_imports(name: str) -> set[str]:
     import models` in a plugin's method is as much a dependency as one at the top): every `import X`, and
     for `from X import Y` both X and X.Y (kept by the caller only where X.Y is a module)."""
     path = _module_file(name)
-    try:
-        tree = ast.parse(Path(path).read_text()) if path else None
-    except (OSError, SyntaxError, ValueError):
-        return set()
+    tree = _parse(path)
     package = name if path and Path(path).name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree) if tree else ():
@@ -185,7 +202,7 @@ def source_hash(path: Path) -> str:
 @lru_cache(maxsize=4096)
 def _source_hash(path: str, size: int, mtime_ns: int) -> str:
     try:
-        tree = ast.parse(Path(path).read_text()) if path.endswith(".py") else None
+        tree = _parse_text(Path(path).read_text()) if path.endswith(".py") else None
     except (SyntaxError, UnicodeDecodeError, ValueError):
         tree = None
     if tree is None:
@@ -211,11 +228,7 @@ def code_hash(module_name: str, package: str = "alignflow.") -> str:
 
 def _imported_tops(module_name: str) -> set[str]:
     """Top-level names of the absolute imports in a module's source, wherever they are made."""
-    path = getattr(sys.modules.get(module_name), "__file__", None)
-    try:
-        tree = ast.parse(Path(path).read_text()) if path else None
-    except (OSError, SyntaxError, ValueError):
-        tree = None
+    tree = _parse(getattr(sys.modules.get(module_name), "__file__", None))
     tops = set()
     for node in ast.walk(tree) if tree else ():
         if isinstance(node, ast.Import):
