@@ -78,17 +78,32 @@ def test_a_10_gb_allocation_fails(isolation):
 
 
 FOUR_FORKS = """
-import os
+import os, select
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
 kids = []
 for i in range(4):  # each child well under the per-process cap, all four together over the run's
     pid = os.fork()
     if pid == 0:
+        os.close(go_w)
         block = bytearray(200 << 20)
         for j in range(0, len(block), 4096):
             block[j] = 1  # touched: resident, not only reserved
+        os.write(ready_w, b"x")
+        os.read(go_r, 1)  # hold it until every child has its block or was killed (EOF when the parent lets go)
         os._exit(0)
     kids.append(pid)
-codes = [os.waitpid(p, 0)[1] for p in kids]
+os.close(ready_w)
+ready, codes = 0, {}
+while ready + len(codes) < 4:
+    if select.select([ready_r], [], [], 0.05)[0]:
+        ready += len(os.read(ready_r, 4))
+    for p in set(kids) - set(codes):
+        got, status = os.waitpid(p, os.WNOHANG)
+        if got:
+            codes[p] = status
+os.close(go_w)
+codes = [codes[p] if p in codes else os.waitpid(p, 0)[1] for p in kids]
 print("all allocated" if not any(codes) else "killed: " + str(codes))
 """
 needs_cgroups = pytest.mark.skipif(memory_parent() is None,
