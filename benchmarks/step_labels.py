@@ -13,7 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from alignflow.core.train.datasets import split_steps
+from alignflow.core.train.steps import split_steps
 from alignflow.core.task.arithmetic import parse, render, work
 
 

@@ -162,7 +162,7 @@ class ImplicitProcessReward:
 
     def scoring(self, prompt: str, completion: str) -> Scoring:
         """The ids of one completion, where its steps end, cut from the left to `max_length`."""
-        from alignflow.core.train.datasets import step_spans, token_ends
+        from alignflow.core.train.steps import step_spans, token_ends
 
         tok, eos = self.tokenizer, self.tokenizer.eos_token_id
         spans = step_spans(completion, self.config.step_separator) or [(completion, len(completion))]

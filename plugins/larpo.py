@@ -19,8 +19,14 @@ detached, as in LiPO's lambda loss), beta (here DPO's 0.1), whether s is length-
 (`length_normalize`, off by default), and which form the paper's headline results use. Without RM scores a
 list of m candidates gets psi = m-1, ..., 0 (its rank order). The paper's hard-negative mining, candidate
 lists built from the policy's samples and merged across iterations, and its iterative loop
-(its Algorithm 1) are pipeline matters, not part of this loss. The `preference` stage feeds pairs, so a
-stage trains on lists of two (chosen first); `list_losses` takes any m.
+(its Algorithm 1) are pipeline matters, not part of this loss.
+
+The `preference` stage feeds it pairs (lists of two, chosen first) or ranked lists: `ranked` rows
+{prompt, completions (best first), scores}, which a `rejection_sampling` stage writes from the policy's own
+samples with `output: lists` (the best sample and the next `list_size - 1` distinct worse ones: the paper's
+hard negatives). The row scores are lambdarank's psi. Scores may tie below the first (a 0/1 verifier's
+negatives): the contrastive form needs only the first to be best, lambdarank weighs tied pairs 0, while
+ListMLE ranks tied candidates in their list order, an order the data does not give.
 """
 
 from typing import Literal
@@ -31,7 +37,7 @@ from pydantic import Field
 from torch import Tensor
 
 from alignflow.core import PluginConfig, hookimpl
-from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm, per_token
+from alignflow.core.train.offline import ListBatch, PairBatch, PreferenceAlgorithm, per_token
 
 Form = Literal["contrastive", "lambdarank", "listmle"]
 
@@ -80,6 +86,7 @@ class LarPO(PreferenceAlgorithm):
         length_normalize: bool = False  # s averaged over completion tokens (SimPO-style); unverified
 
     requires_reference = True
+    accepts_lists = True
 
     def scores(self, policy: Tensor, ref: Tensor, lengths: Tensor) -> Tensor:
         """s(y) = beta * log(pi / pi_ref), per completion token with `length_normalize`."""
@@ -91,6 +98,10 @@ class LarPO(PreferenceAlgorithm):
         rejected = self.scores(batch.policy_rejected_logps, batch.ref_rejected_logps, batch.rejected_lengths)
         losses = list_losses(torch.stack([chosen, rejected], dim=-1), self.config.loss)
         return losses, chosen.detach(), rejected.detach()
+
+    def ranked_losses(self, batch: ListBatch):
+        s = self.scores(batch.policy_logps, batch.ref_logps, batch.lengths)  # [B, m]
+        return list_losses(s, self.config.loss, batch.scores), s.detach()
 
 
 @hookimpl

@@ -54,7 +54,8 @@ class ProcessReward:
         """P(step correct) for each step of each completion, `batch_size` completions at a time."""
         import torch
 
-        from alignflow.core.train.datasets import pad, split_steps, step_pieces, step_sequence
+        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.steps import split_steps, step_pieces, step_sequence
         from alignflow.core.train.models import token_values
 
         key = (prompts, completions)
@@ -79,7 +80,7 @@ class ProcessReward:
 
     def step_rewards(self, prompts: list[str], completions: list[str]) -> list[list[tuple[int, float]]]:
         """(where the step ends in the completion, in characters; P(step correct)) for each scored step."""
-        from alignflow.core.train.datasets import step_spans
+        from alignflow.core.train.steps import step_spans
 
         out = []
         for c, scores in zip(completions, self.step_scores(prompts, completions)):

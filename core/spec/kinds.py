@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.errors import SpecError
+from alignflow.core.errors import DataError, SpecError
 from alignflow.core.spec.settings import (CritiqueSettings, EvaluateSettings, PolicySettings, PRMSettings, RLSettings,
                                      SampleSettings, SelectSettings, StepLabelSettings, TrainSettings, critique_rows,
                                      sampled_rows)
@@ -16,10 +17,32 @@ from alignflow.core.spec.settings import (CritiqueSettings, EvaluateSettings, Po
 SchemaOf = Callable[[Any, Any], "str | None"]
 
 
+def preference_rows(algo, dataset) -> str:
+    """The rows a preference stage trains `algo` on: unpaired for one that `requires_labels`; ranked lists for one
+    that `accepts_lists` when the dataset is a JSONL file of them (a `rejection_sampling` stage's `output: lists`);
+    else pairs."""
+    if getattr(algo, "requires_labels", False):
+        return "unpaired"
+    return "ranked" if getattr(algo, "accepts_lists", False) and ranked_file(dataset) else "pairwise"
+
+
+def ranked_file(source) -> bool:
+    """Whether `source` is a JSONL file whose first row is a ranked list (has `completions`); a missing or
+    unreadable file is not (loading it reports why)."""
+    from alignflow.core.train.datasets import iter_jsonl
+
+    if not str(source).endswith(".jsonl"):
+        return False
+    try:
+        first = next(iter_jsonl(Path(source)), (0, None))[1]
+    except (OSError, DataError):
+        return False
+    return isinstance(first, dict) and "completions" in first
+
+
 def _preference_rows(stage, plugins) -> str:
-    """pairwise; unpaired for an algorithm that `requires_labels`"""
-    algo = plugins.algorithms.get(stage.algorithm.name)
-    return "unpaired" if getattr(algo, "requires_labels", False) else "pairwise"
+    """pairwise; unpaired for an algorithm that `requires_labels`; ranked for lists, to one that `accepts_lists`"""
+    return preference_rows(plugins.algorithms.get(stage.algorithm.name), stage.inputs.get("dataset", ""))
 
 
 def _rejection_rows(stage, plugins) -> str:

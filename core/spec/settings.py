@@ -217,10 +217,12 @@ def sampled_rows(output: str) -> str:
 
 
 class SampleSettings(SamplingSettings):
-    # rejection sampling writes the best correct completion per prompt (sft), a (correct, incorrect) pair, or
-    # (the data's completion, the model's own sample) for SPIN (self_play, from prompt/completion rows)
-    output: Literal["sft", "pairs", "self_play"] = "sft"
+    # rejection sampling writes the best correct completion per prompt (sft), a (correct, incorrect) pair,
+    # (the data's completion, the model's own sample) for SPIN (self_play, from prompt/completion rows), or a
+    # ranked list (lists: the best correct sample, then list_size - 1 distinct lower-scoring ones, best first)
+    output: Literal["sft", "pairs", "self_play", "lists"] = "sft"
     pairs_per_prompt: int = Field(1, ge=1)  # pairs: the best correct against up to this many distinct incorrect
+    list_size: int = Field(4, ge=2)  # lists: completions in each list; prompts with fewer distinct ones are skipped
     allow_empty: bool = False  # no row kept fails the stage unless this is set
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 from alignflow.core.errors import DataError
+from alignflow.core.train.steps import step_pieces, step_sequence
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "sft_messages": {"messages": "messages"},
     "pairwise": {"prompt": str, "chosen": str, "rejected": str},
     "unpaired": {"prompt": str, "completion": str, "label": bool},
+    # a ranked list of completions of one prompt, best first; optional `scores`, one per completion, non-increasing
+    "ranked": {"prompt": str, "completions": (str,)},
     # a label per step: 1/true = correct, 0/false = wrong, or a float in [0, 1] (Math-Shepherd's soft label)
     "steps": {"prompt": str, "steps": (str,), "step_labels": (int, bool, float)},
 }
@@ -87,12 +90,28 @@ def check_row(row: Any, schema: str) -> str | None:
             return f"field 'tools': expected a list of JSON function schemas (or a JSON string of one): {e}"
         if not all(isinstance(t, dict) for t in tools or []):
             return "field 'tools': expected a list of JSON function schemas (objects)"
+    if schema == "ranked":
+        return _check_ranked(row)
     if schema == "steps" and len(row["steps"]) != len(row["step_labels"]):
         return f"field 'step_labels': {len(row['step_labels'])} labels for {len(row['steps'])} steps"
     if schema == "steps":
         bad = next((i for i, v in enumerate(row["step_labels"]) if not 0 <= v <= 1), None)
         if bad is not None:
             return f"field 'step_labels': item {bad}: expected a label in [0, 1], got {row['step_labels'][bad]}"
+    return None
+
+
+def _check_ranked(row: dict) -> str | None:
+    m, scores = len(row["completions"]), row.get("scores")
+    if m < 2:
+        return f"field 'completions': expected a list of at least 2 completions, got {m}"
+    if scores is None:
+        return None
+    problem = _check_field("scores", scores, (int, float))
+    if problem or len(scores) != m:
+        return problem or f"field 'scores': {len(scores)} scores for {m} completions"
+    if any(a < b for a, b in zip(scores, scores[1:])):
+        return f"field 'scores': expected the completions best first (non-increasing scores), got {scores}"
     return None
 
 
@@ -242,71 +261,50 @@ def _sft_batch(batch, tokenizer, max_length):
     return out
 
 
-def _pairwise_batch(batch, tokenizer, max_length):
+def _completion_sets(batch, tokenizer, max_length, sets: dict[str, list[str]]) -> dict:
+    """Each prompt with each set's completion: `{set}_input_ids`, `{set}_labels`; a row's worst status."""
     prompts = tokenizer(batch["prompt"]).input_ids
-    out = {"_status": [0] * len(prompts)}
-    for side in ("chosen", "rejected"):
-        ids, labels = [], []
-        out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
-        for i, (p, c) in enumerate(zip(prompts, _completions(tokenizer, batch[side]))):
-            row_ids, row_labels, status = truncate(p, c, max_length)
-            ids.append(row_ids)
-            labels.append(row_labels)
-            out["_status"][i] = max(out["_status"][i], status)
+    out = {"_status": [OK] * len(prompts)}
+    for name, texts in sets.items():
+        rows = [truncate(p, c, max_length) for p, c in zip(prompts, _completions(tokenizer, texts))]
+        out[f"{name}_input_ids"], out[f"{name}_labels"] = [r[0] for r in rows], [r[1] for r in rows]
+        out["_status"] = [max(status, r[2]) for status, r in zip(out["_status"], rows)]
+    return out
+
+
+def _pairwise_batch(batch, tokenizer, max_length):
+    out = _completion_sets(batch, tokenizer, max_length, {side: batch[side] for side in ("chosen", "rejected")})
     if "margin" in batch:  # reward-model rows may carry a per-pair margin (Llama 2)
         out["margin"] = batch["margin"]
     return out
 
 
-def step_spans(completion: str, separator: str) -> list[tuple[str, int]]:
-    """A solution's steps, the text between separators (empty steps dropped), with where each ends."""
-    spans, start = [], 0
-    for step in completion.split(separator):
-        if step.strip():
-            spans.append((step, start + len(step)))
-        start += len(step) + len(separator)
-    return spans
+def candidate(k: int) -> str:
+    """The sequence-set name of the k-th completion of a ranked list (0: the best)."""
+    return f"candidate{k}"
 
 
-def token_ends(decode, ids: list[int], char_ends: list[int]) -> list[int]:
-    """For each character offset in `decode(ids)`, the index of the token that completes the text up to it.
-
-    Binary search on decoded prefixes: a step ends at the first token whose prefix reaches its last
-    character, whatever the tokenizer merged around it.
-    """
-    out = []
-    for end in char_ends:
-        lo, hi = 0, max(len(ids) - 1, 0)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if len(decode(ids[: mid + 1])) >= end:
-                hi = mid
-            else:
-                lo = mid + 1
-        out.append(lo)
+def _ranked_batch(batch, tokenizer, max_length):
+    m = len(batch["completions"][0])  # the same in every row (`list_size`)
+    sets = {candidate(k): [c[k] for c in batch["completions"]] for k in range(m)}
+    out = _completion_sets(batch, tokenizer, max_length, sets)
+    if "scores" in batch:
+        out["scores"] = [[float(x) for x in s] for s in batch["scores"]]
     return out
 
 
-def split_steps(completion: str, separator: str) -> list[str]:
-    """A solution's steps: the text between separators, empty steps dropped."""
-    return [step for step, _ in step_spans(completion, separator)]
-
-
-def step_sequence(prompt_ids: list[int], pieces: list[list[int]]) -> tuple[list[int], list[int]]:
-    """Prompt + step pieces (each step followed by the separator): (ids, index of each step's last token).
-
-    A process reward model reads step i's score at its last token, the separator after it, in training
-    (`_steps_batch`) and scoring (the `prm` reward) alike.
-    """
-    ids, ends = list(prompt_ids), []
-    for piece in pieces:
-        ids += piece
-        ends.append(len(ids) - 1)
-    return ids, ends
-
-
-def step_pieces(tokenizer, steps: list[str], separator: str) -> list[list[int]]:
-    return tokenizer([s + separator for s in steps], add_special_tokens=False).input_ids if steps else []
+def list_size(ds, where: str) -> int:
+    """The one length of every ranked row's list (a micro-batch stacks them), and its scores all or none."""
+    sizes = [len(c) for c in ds["completions"]]
+    bad = next((i for i, n in enumerate(sizes) if n != sizes[0]), None)
+    if bad is not None:
+        raise DataError(f"{where}: row {bad + 1}: {sizes[bad]} completions, but row 1 has {sizes[0]}: every "
+                        "ranked list of a dataset must have the same length")
+    scores = ds["scores"] if "scores" in ds.column_names else [None]
+    if any(s is None for s in scores) and any(s is not None for s in scores):
+        row = next(i for i, s in enumerate(scores) if s is None)
+        raise DataError(f"{where}: row {row + 1}: no 'scores', which other rows have: give every row scores or none")
+    return sizes[0]
 
 
 def _steps_batch(batch, tokenizer, max_length, separator):
@@ -327,6 +325,7 @@ def _steps_batch(batch, tokenizer, max_length, separator):
 
 TOKENIZERS: dict[str, Callable] = {
     "sft": _sft_batch, "unpaired": _sft_batch, "pairwise": _pairwise_batch, "steps": _steps_batch,
+    "ranked": _ranked_batch,
 }
 
 
@@ -337,15 +336,18 @@ def _tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256((state + json.dumps(extra)).encode()).hexdigest()
 
 
-def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separator: str = "\n"):
+def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separator: str = "\n",
+             source: str = "rows"):
     """Tokenise rows of a schema for training: (dataset, {"rows", "truncated", "dropped"}).
 
     Prompt tokens are labelled -100; a completion longer than the room left is cut from the right;
     a row whose prompt alone fills `max_length` is dropped. The map is cached under a fingerprint
-    of the input dataset, tokenizer, kind and max_length.
+    of the input dataset, tokenizer, kind and max_length. `source` names the rows in errors.
     """
     if kind not in TOKENIZERS:
         raise DataError(f"cannot tokenise {kind!r} rows: expected one of {', '.join(TOKENIZERS)}")
+    if kind == "ranked":
+        list_size(ds, source)
     kwargs = {"tokenizer": tokenizer, "max_length": max_length}
     if kind == "steps":
         kwargs["separator"] = step_separator

@@ -91,6 +91,16 @@ class PairBatch:
 
 
 @dataclass(frozen=True)
+class ListBatch:
+    """Listwise preference: summed completion log-probs of the m completions of each prompt, best first."""
+
+    policy_logps: Tensor  # [B, m]
+    lengths: Tensor  # [B, m] completion tokens
+    ref_logps: Tensor | None = None  # [B, m] frozen reference, when `requires_reference`
+    scores: Tensor | None = None  # [B, m] the rows' scores (non-increasing) when the dataset gives them
+
+
+@dataclass(frozen=True)
 class UnpairedBatch:
     """Unpaired binary feedback (KTO): one completion per example, labelled desirable or not."""
 
@@ -159,13 +169,23 @@ class PreferenceAlgorithm(OfflineAlgorithm):
     stage: ClassVar[str] = "preference"
     requires_pairs: ClassVar[bool] = True
     batch_type: ClassVar[type] = PairBatch
+    # also trains on ranked lists (`ranked` rows: a `ListBatch`, whose rewards/rejected is the best of the rest)
+    accepts_lists: ClassVar[bool] = False
 
     def pair_losses(self, batch: PairBatch) -> tuple[Tensor, Tensor, Tensor]:
         """Per-pair losses [B] and the chosen and rejected rewards [B] (the algorithm's implicit reward)."""
         raise NotImplementedError
 
-    def loss(self, batch: PairBatch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        losses, chosen, rejected = self.pair_losses(batch)
+    def ranked_losses(self, batch: ListBatch) -> tuple[Tensor, Tensor]:
+        """With `accepts_lists`: per-list losses [B] and each completion's implicit reward [B, m]."""
+        raise NotImplementedError(f"{type(self).__name__} trains on pairs, not ranked lists")
+
+    def loss(self, batch: PairBatch | ListBatch, norm: StepNorm | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        if isinstance(batch, ListBatch):  # the best against the rest: with m = 2, the pair metrics
+            losses, rewards = self.ranked_losses(batch)
+            chosen, rejected = rewards[:, 0], rewards[:, 1:].max(-1).values
+        else:
+            losses, chosen, rejected = self.pair_losses(batch)
         metrics = {"loss": losses.detach().mean(), **reward_metrics(chosen, rejected)}
         return example_mean(losses, norm), metrics
 
@@ -216,12 +236,22 @@ class Scorer(Protocol):
 
 
 def build_batch(
-    algo: OfflineAlgorithm, policy: Scorer, reference: Scorer | None = None, labels: Tensor | None = None
-) -> PairBatch | UnpairedBatch:
-    """Build a preference algorithm's batch from its flags alone."""
+    algo: OfflineAlgorithm, policy: Scorer, reference: Scorer | None = None, labels: Tensor | None = None,
+    candidates: list[str] | None = None, scores: Tensor | None = None,
+) -> PairBatch | UnpairedBatch | ListBatch:
+    """Build a preference algorithm's batch from its flags alone; from ranked lists, the sequence sets
+    `candidates` (best first) and the rows' `scores`."""
     if algo.requires_reference and reference is None:
         raise ValueError(f"{type(algo).__name__} requires reference log-probs, but no reference scorer was given")
     ref = reference if algo.requires_reference else None
+    if candidates is not None:
+        if not getattr(algo, "accepts_lists", False):
+            raise ValueError(f"{type(algo).__name__} trains on pairs, not ranked lists")
+        sets = [policy(name, "completion") for name in candidates]
+        refs = [ref(name, "completion").logps for name in candidates] if ref is not None else None
+        scores = scores.to(sets[0].logps.device, sets[0].logps.dtype) if scores is not None else None
+        return ListBatch(torch.stack([x.logps for x in sets], -1), torch.stack([x.lengths for x in sets], -1),
+                         torch.stack(refs, -1) if refs is not None else None, scores)
     if algo.requires_labels:
         if algo.needs_token_logprobs:
             raise ValueError(f"{type(algo).__name__}: per-token log-probs are built for pairs only")

@@ -85,10 +85,11 @@ def split_rows(ctx: StageContext, tokenizer, schema: str, held_out=None, **token
     """
     s = ctx.settings
     rows, stats = tokenize(load_rows(ctx.inputs["dataset"], schema), tokenizer, s.max_length, schema,
-                           **tokenize_options)
+                           source=str(ctx.inputs["dataset"]), **tokenize_options)
     ctx.log_metrics({f"data/{k}": float(v) for k, v in stats.items()}, 0)
     if held_out is not None:
-        held_out, _ = tokenize(held_out, tokenizer, s.max_length, schema, **tokenize_options)
+        where = str(ctx.inputs.get("eval_dataset", "held-out rows"))
+        held_out, _ = tokenize(held_out, tokenizer, s.max_length, schema, source=where, **tokenize_options)
     elif s.eval_fraction:
         split = rows.train_test_split(test_size=s.eval_fraction, seed=ctx.seed)
         rows, held_out = split["train"], split["test"]

@@ -1,4 +1,5 @@
-"""The `preference` stage: DPO-family losses on pairwise (or, for `requires_labels`, unpaired) rows.
+"""The `preference` stage: DPO-family losses on pairwise (or, for `requires_labels`, unpaired) rows, and on
+ranked lists (`ranked` rows: m completions of a prompt, best first) for an algorithm that `accepts_lists`.
 
 The loop is the shared offline one; this file only says how rows become a batch: the policy is run
 once per sequence set of a micro-batch and `build_batch` asks for what the algorithm's flags need.
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from alignflow.core.train.datasets import IGNORE_INDEX, collate, truncate
+from alignflow.core.errors import DataError
+from alignflow.core.spec.kinds import preference_rows
+from alignflow.core.train.datasets import IGNORE_INDEX, candidate, collate, truncate
 from alignflow.core.train.engine import Engine, frozen
 from alignflow.core.train.adapters import AdaptersOff
 from alignflow.core.train.models import token_logprobs
@@ -28,8 +31,13 @@ from alignflow.flows.stages.offline_loop import (Feed, eval_rows, final_metrics,
 from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
                                              model_source, plugin, save_pretrained, total_steps)
 
-# Scorer set name -> the prefix of its columns in a collated micro-batch.
-PREFIX = {"chosen": "chosen_", "rejected": "rejected_", "completion": "", "kl": "kl_"}
+
+
+def prefix(name: str) -> str:
+    """The prefix of a Scorer set's columns in a collated micro-batch: `chosen_input_ids`, `input_ids`, ..."""
+    return "" if name == "completion" else name + "_"
+
+
 REFERENCE_CACHE = "reference_logps.pt"
 # Cache keys of a set's per-token reference log-probs: every row's completion tokens end to end, and
 # where each row starts in them ([rows + 1]).
@@ -41,7 +49,7 @@ def scored_mask(micro: dict, name: str, scope: NllScope) -> torch.Tensor:
 
     The first token has no prefix to be predicted from, so no scope scores it (rows are right-padded).
     """
-    p = PREFIX[name]
+    p = prefix(name)
     mask = micro[p + "labels"] != IGNORE_INDEX if scope == "completion" else micro[p + "attention_mask"] != 0
     mask[:, 0] = False
     return mask
@@ -61,7 +69,7 @@ class SequenceScorer:
 
     def _forward(self, name: str) -> torch.Tensor:
         if name not in self.token_logps:
-            p, to = PREFIX[name], self.device
+            p, to = prefix(name), self.device
             ids, attn = self.micro[p + "input_ids"].to(to), self.micro[p + "attention_mask"].to(to)
             wanted = scored_mask(self.micro, name, self.widest).to(to)
             out = token_logprobs(self.model, ids, attn, wanted, return_entropy=self.entropy)
@@ -128,9 +136,9 @@ def with_kl_rows(rows: list[dict], max_length: int) -> list[dict]:
     return out
 
 
-def reference_sets(algo) -> list[str]:
+def reference_sets(algo, candidates: list[str] | None = None) -> list[str]:
     """The sequence sets whose reference log-probs are fixed per row, hence cacheable."""
-    return ["completion"] if algo.requires_labels else ["chosen", "rejected"]
+    return ["completion"] if algo.requires_labels else candidates or ["chosen", "rejected"]
 
 
 @torch.no_grad()
@@ -173,9 +181,21 @@ def cached_reference(ctx: StageContext, reference, splits: dict, sets: list[str]
     return caches
 
 
-def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | None, reference) -> Feed:
-    """Rows -> the algorithm's batch: the policy scored live, the reference from `cache`."""
-    main = "completion" if algo.requires_labels else "chosen"
+def list_candidates(ctx: StageContext, train, held_out) -> list[str]:
+    """The sequence sets of tokenised ranked lists, best first: as many in the held-out rows as in training."""
+    m = sum(name.endswith("_input_ids") for name in train.column_names)
+    held = m if held_out is None else sum(name.endswith("_input_ids") for name in held_out.column_names)
+    if held != m:
+        raise DataError(f"stage {ctx.name!r}: eval_dataset {ctx.inputs['eval_dataset']}: lists of {held} "
+                        f"completions, but the training lists have {m}")
+    return [candidate(k) for k in range(m)]
+
+
+def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | None, reference,
+                    candidates: list[str] | None = None) -> Feed:
+    """Rows -> the algorithm's batch: the policy scored live, the reference from `cache`; ranked lists as the
+    sequence sets `candidates`, best first."""
+    main = "completion" if algo.requires_labels else candidates[0] if candidates else "chosen"
     widest = "sequence" if algo.nll_scope == "sequence" else "completion"
 
     def collate_rows(rows: list[dict]) -> dict:
@@ -185,7 +205,7 @@ def preference_feed(algo, engine, pad_id: int, max_length: int, cache: dict | No
         policy = SequenceScorer(engine.model, micro, widest, engine.device, algo.needs_token_logprobs)
         live = SequenceScorer(reference, micro, "completion", engine.device) if reference is not None else None
         ref = CachedReference(cache, micro, live, engine.device) if cache is not None else None
-        return build_batch(algo, policy, ref, micro.get("label"))
+        return build_batch(algo, policy, ref, micro.get("label"), candidates, micro.get("scores"))
 
     return Feed(collate_rows, batch, lambda micro: scored_mask(micro, main, algo.nll_scope or "completion"))
 
@@ -203,7 +223,7 @@ def run_preference(ctx: StageContext) -> StageResult:
     """Train on preferences, report held-out preference or task accuracy, save the policy."""
     s = ctx.settings
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
-    schema = "unpaired" if algo.requires_labels else "pairwise"
+    schema = preference_rows(algo, ctx.inputs["dataset"])
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_policy(ctx, src)
@@ -211,6 +231,7 @@ def run_preference(ctx: StageContext) -> StageResult:
     eval_prefs = eval_rows(ctx, schema)
     train, held_out = split_rows(ctx, tokenizer, schema, eval_prefs)
     pad_id = tokenizer.pad_token_id
+    candidates = list_candidates(ctx, train, held_out) if schema == "ranked" else None
 
     steps = total_steps(len(train), s)
     torch.manual_seed(ctx.seed)
@@ -219,13 +240,13 @@ def run_preference(ctx: StageContext) -> StageResult:
     if algo.requires_reference:
         reference = frozen(reference, s) if reference is not None else AdaptersOff(engine.module)
         splits = {"train": train, "eval": held_out}
-        caches = cached_reference(ctx, reference, splits, reference_sets(algo), pad_id, engine.device,
+        caches = cached_reference(ctx, reference, splits, reference_sets(algo, candidates), pad_id, engine.device,
                                   algo.needs_token_logprobs)
         if not algo.needs_kl_pairs:
             reference = None  # every reference log-prob it needs is cached: free the model
 
     def feed(split: str) -> Feed:
-        return preference_feed(algo, engine, pad_id, s.max_length, caches.get(split), reference)
+        return preference_feed(algo, engine, pad_id, s.max_length, caches.get(split), reference, candidates)
 
     last = train_loop(ctx, engine, algo, train, feed("train"))
     held = held_out_metrics(engine, algo, held_out, feed("eval"), s.micro_batch_size)

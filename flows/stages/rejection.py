@@ -5,7 +5,10 @@ sampling SFT data; with an environment, the best episode's conversation as a `me
 JSON schemas of the tools it was shown as `tools`, which an sft stage learns every model turn of);
 `output: pairs` writes (correct, incorrect) pairs for each prompt that has both
 (preference data sampled from the policy): the best correct completion against the best incorrect
-one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first; `output: self_play`
+one, and with `pairs_per_prompt: k` against up to k distinct incorrect texts, best first; `output: lists` writes
+ranked lists for listwise losses (LarPO): the best correct completion, then `list_size - 1` distinct completions
+of lower total, best first (with a 0/1 verifier: incorrect ones), as `completions` with their `scores`, for each
+prompt that has that many; `output: self_play`
 reads prompt/completion rows (SFT data) and writes SPIN's pairs: the data's completion as chosen against the
 model's own first sample that differs from it (rewards only score the samples for the metrics). Best means
 the highest total reward, first on ties, so with one 0/1 verifier the first correct and the first
@@ -50,7 +53,7 @@ def distinct_best(candidates: list[int], texts: list[str], total: list[float], k
     return out
 
 
-def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[dict]:
+def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1, list_size: int = 4) -> list[dict]:
     """The dataset rows to write: the prompt's other columns kept, plus the kept completions' rewards."""
     texts, total = scored.generation.texts, scored.rewards.total
     episodes = scored.generation.episodes
@@ -69,7 +72,14 @@ def select_rows(scored: Scored, output: str, pairs_per_prompt: int = 1) -> list[
             if own:  # a sample equal to the data gives SPIN no signal (its two log-ratios cancel)
                 out.append({**{k: v for k, v in row.items() if k != "completion"}, "chosen": row["completion"],
                             "rejected": texts[own[0]], "rejected_reward": total[own[0]]})
-        elif correct and incorrect:
+        elif output == "lists" and correct:
+            win = best(correct, total)
+            worse = distinct_best([j for j in correct + incorrect if total[j] < total[win] and texts[j] != texts[win]],
+                                  texts, total, list_size - 1)
+            if len(worse) == list_size - 1:
+                out.append({**row, "completions": [texts[j] for j in [win, *worse]],
+                            "scores": [total[j] for j in [win, *worse]]})
+        elif output == "pairs" and correct and incorrect:
             win = best(correct, total)
             for lose in distinct_best(incorrect, texts, total, pairs_per_prompt):
                 out.append({**row, "chosen": texts[win], "rejected": texts[lose],
@@ -88,7 +98,7 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
                                     shard=True, episodes=episodes_of(ctx))
 
-    kept = select_rows(scored, s.output, s.pairs_per_prompt)
+    kept = select_rows(scored, s.output, s.pairs_per_prompt, s.list_size)
     out = ctx.work_dir / "data.jsonl"
     if rank_and_world()[0] == 0:  # every rank holds every sample; one writes them
         write_jsonl(kept, out)

@@ -14,7 +14,8 @@ prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, 
 from __future__ import annotations
 
 from alignflow.core import seeds
-from alignflow.core.train.datasets import load_rows, split_steps
+from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.steps import split_steps
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.scoring import (CHUNK, chunks, columns_for, every_rank, generate_and_score, judge,

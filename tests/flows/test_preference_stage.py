@@ -2,6 +2,7 @@
 once and cached across a resume, a resumed run ends with the uninterrupted weights, a third-party
 algorithm runs through the same loop."""
 
+import json
 import math
 import subprocess
 import sys
@@ -167,6 +168,31 @@ def test_larpo_lambdarank_trains_on_pairs_from_its_one_pair_weight(tmp_path, fil
     assert step_metrics(logged, 4)["loss"] < start  # it learns the training pairs
     assert 0.0 <= result.metrics["eval/rewards/accuracies"] <= 1.0
     assert (result.outputs["model"] / "model.safetensors").is_file()
+
+
+def ranked(path, pairs_file, m: int = 3, n: int = 4):
+    """Lists of m from n pairs: each row's chosen, its rejected, and the next rows' rejected ones."""
+    rows = [json.loads(line) for line in pairs_file.read_text().splitlines()[:n]]
+    lists = [{"prompt": r["prompt"], "completions": [r["chosen"]] + [rows[(i + k) % len(rows)]["rejected"]
+                                                                    for k in range(m - 1)],
+              "scores": [1.0] + [0.0] * (m - 1)} for i, r in enumerate(rows)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lists))
+    return path
+
+
+def test_larpo_listmle_trains_on_ranked_lists_of_three(tmp_path, files):
+    inputs = {"model": files["model"], "dataset": ranked(tmp_path / "lists.jsonl", files["pairs"]),
+              "eval_dataset": ranked(tmp_path / "eval_lists.jsonl", files["eval_pairs"])}
+    ctx, logged = context(tmp_path, plugins(alignflow.plugins.larpo), {"name": "larpo", "config": {
+        "loss": "listmle", "beta": 0.5}}, inputs)
+    result = run_preference(ctx)
+    # policy = reference: every s = 0, so ListMLE = log 3 + log 2 + log 1 per list
+    assert step_metrics(logged, 1)["loss"] == pytest.approx(math.log(6), abs=1e-5)
+    assert step_metrics(logged, 4)["loss"] < 0.5 * math.log(6)  # the same 4 lists each step: it learns them
+    cache = torch.load(tmp_path / "checkpoints" / REFERENCE_CACHE)
+    assert sorted(cache["train"]) == ["candidate0", "candidate1", "candidate2"]
+    assert len(cache["eval"]["candidate2"]) == 4
+    assert 0.0 <= result.metrics["eval/rewards/accuracies"] <= 1.0
 
 
 @pytest.fixture(scope="module")

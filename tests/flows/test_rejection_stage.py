@@ -63,6 +63,17 @@ def test_pairs_are_the_best_correct_against_the_best_incorrect():
         ("p0", "c", "b"), ("p2", "g", "h"), ("p3", "k", "j")]
 
 
+def test_lists_are_the_best_correct_then_distinct_lower_scoring_samples_best_first():
+    # p0: c (1.5) wins; a (1.0, also correct) and b (0.0) score lower. p2: g (1.0) wins; only i (0.5) is lower
+    # (h scores 2.0). p3: k and l tie at 1.0, k is first; only j (0.0) is lower. p1 has no correct sample.
+    rows = select_rows(CASE, "lists", list_size=3)
+    assert [(r["prompt"], r["completions"], r["scores"]) for r in rows] == [("p0", ["c", "a", "b"], [1.5, 1.0, 0.0])]
+    rows = select_rows(CASE, "lists", list_size=2)
+    assert [(r["prompt"], r["completions"]) for r in rows] == [
+        ("p0", ["c", "a"]), ("p2", ["g", "i"]), ("p3", ["k", "j"])]
+    assert rows[0]["answer"] == "0"
+
+
 def test_self_play_pairs_the_data_completion_against_the_first_sample_that_differs_from_it():
     case = handmade([["a", "b"], ["c", "d"], ["e", "e"]], [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]],
                     [[True, False], [False, True], [True, True]])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from alignflow.core.train.offline import PairBatch
+from alignflow.core.train.offline import ListBatch, PairBatch
 from alignflow.plugins.dpo import DPO
 from alignflow.plugins.larpo import LarPO, list_losses, ranks
 
@@ -103,3 +103,19 @@ def test_config_is_validated():
         LarPO.Config(beta=0.0)
     with pytest.raises(ValueError, match="unknown LarPO loss"):
         list_losses(LISTS, "lipo")
+
+
+def test_a_ranked_list_scores_each_completion_by_its_implicit_reward():
+    # s = beta * (log pi - log pi_ref) = 0.1 * ((-4) - (-5), (-6) - (-5), (-9) - (-7)) = (0.1, -0.1, -0.2)
+    batch = ListBatch(torch.tensor([[-4.0, -6.0, -9.0]], dtype=torch.float64), torch.tensor([[3, 4, 5]]),
+                      torch.tensor([[-5.0, -5.0, -7.0]], dtype=torch.float64),
+                      torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float64))
+    e = math.exp
+    losses, rewards = LarPO().ranked_losses(batch)
+    assert rewards.tolist()[0] == pytest.approx([0.1, -0.1, -0.2], rel=1e-12)
+    assert losses.item() == pytest.approx(-math.log(e(0.1) / (e(0.1) + e(-0.1) + e(-0.2))), rel=1e-12)
+    # lambdarank with the rows' scores psi = (1, 0, 0): only the pairs (1, 2) and (1, 3) count, G = (1, 0, 0),
+    # tau = (1, 2, 3) under s, so lambda_12 = 1 - 1/log2(3) and lambda_13 = 1 - 1/2
+    losses, _ = LarPO(LarPO.Config(loss="lambdarank")).ranked_losses(batch)
+    want = -(1 - 1 / math.log2(3)) * log_sigmoid(0.2) - 0.5 * log_sigmoid(0.3)
+    assert losses.item() == pytest.approx(want, rel=1e-12)

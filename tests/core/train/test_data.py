@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from alignflow.core.train.datasets import (
-    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, split_steps, step_sequence, step_spans,
-    tokenize, truncate,
+    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, tokenize, truncate,
 )
+from alignflow.core.spec.kinds import ranked_file
+from alignflow.core.train.steps import split_steps, step_sequence, step_spans
 from alignflow.core.errors import DataError
 from alignflow.core.task.tokenizer import build_char_tokenizer
 
@@ -189,6 +190,28 @@ def test_pairwise_unpaired_and_steps(tmp_path, tok):
     row = tokenize(steps, tok, 64, "steps", step_separator=" ")[0][0]
     assert tok.decode(row["input_ids"]) == "9+5=9+5=14 0+0=1 "
     assert [(i, v) for i, v in enumerate(row["labels"]) if v != IGNORE_INDEX] == [(10, 1), (16, 0)]
+
+
+def test_ranked_rows_are_checked_row_by_row_and_their_lists_have_one_length(tmp_path, tok):
+    row = {"prompt": "1+2=", "completions": ["3", "4", "45"], "scores": [1.0, 0, 0]}
+    assert check_row(row, "ranked") is None and check_row(dict(row, scores=None), "ranked") is None
+    assert check_row(dict(row, completions=["3"], scores=[1]), "ranked") == \
+        "field 'completions': expected a list of at least 2 completions, got 1"
+    assert check_row(dict(row, scores=[1, 0]), "ranked") == "field 'scores': 2 scores for 3 completions"
+    assert check_row(dict(row, scores=[0, 1, 0]), "ranked").startswith("field 'scores': expected the completions "
+                                                                        "best first (non-increasing scores)")
+    ds = _load(tmp_path, [row], "ranked", "r.jsonl")
+    out = tokenize(ds, tok, 64, "ranked")[0][0]
+    assert [tok.decode(out[f"candidate{k}_input_ids"][4:], skip_special_tokens=True) for k in range(3)] == \
+        ["3", "4", "45"]
+    assert out["candidate2_labels"][:4] == [IGNORE_INDEX] * 4 and out["scores"] == [1.0, 0.0, 0.0]
+    assert ranked_file(tmp_path / "r.jsonl") and not ranked_file(tmp_path / "nothing.jsonl")
+    uneven = _load(tmp_path, [row, dict(row, completions=["3", "5"], scores=[1, 0])], "ranked", "u.jsonl")
+    with pytest.raises(DataError, match=r"u\.jsonl: row 2: 2 completions, but row 1 has 3"):
+        tokenize(uneven, tok, 64, "ranked", source=str(tmp_path / "u.jsonl"))
+    some = _load(tmp_path, [row, {"prompt": "1+1=", "completions": ["2", "3", "4"]}], "ranked", "s.jsonl")
+    with pytest.raises(DataError, match=r"s\.jsonl: row 2: no 'scores'"):
+        tokenize(some, tok, 64, "ranked", source=str(tmp_path / "s.jsonl"))
 
 
 def test_split_steps_and_step_sequence(tok):

@@ -6,7 +6,8 @@ import torch
 from alignflow.core import get_plugins
 from alignflow.core.rl.aggregation import StepNorm
 from alignflow.core.train.offline import (
-    Mean, OfflineAlgorithm, SequenceLogps, build_batch, example_mean, mismatched_pairs, per_token, reward_metrics,
+    ListBatch, Mean, OfflineAlgorithm, SequenceLogps, build_batch, example_mean, mismatched_pairs, per_token,
+    reward_metrics,
 )
 
 OFFLINE = {"sft": "sft", "bradley_terry": "reward_model", "dpo": "preference", "ipo": "preference",
@@ -91,6 +92,24 @@ def test_one_generic_builder_serves_every_preference_algorithm(name):
     assert trained.grad is not None and trained.grad.abs().sum() > 0
     if algo.needs_kl_pairs:
         assert policy.leaves["kl", "completion"].grad is None  # scored without gradient
+
+
+def test_ranked_lists_build_a_list_batch_for_an_algorithm_that_accepts_them():
+    larpo, dpo = get_plugins().algorithms.get("larpo")(), get_plugins().algorithms.get("dpo")()
+    policy, reference = FakeScorer(0.0, requires_grad=True), FakeScorer(0.5, requires_grad=False)
+    scores = torch.tensor([[1.0, 0.0], [1.0, 0.5], [2.0, 0.0]])
+    batch = build_batch(larpo, policy, reference, candidates=["chosen", "rejected"], scores=scores)
+    assert isinstance(batch, ListBatch)
+    assert batch.policy_logps.tolist() == [[-4.0, -7.0], [-6.0, -5.5], [-5.0, -9.0]]
+    assert batch.ref_logps.tolist() == [[-4.5, -7.5], [-6.5, -6.0], [-5.5, -9.5]]
+    assert batch.lengths.tolist() == [[3, 3], [4, 4], [5, 5]] and torch.equal(batch.scores, scores)
+    loss, metrics = larpo.loss(batch)
+    pairs = build_batch(larpo, FakeScorer(0.0, False), FakeScorer(0.5, False))  # a list of two is a pair
+    pair_loss, pair_metrics = larpo.loss(pairs)
+    assert loss.item() == pytest.approx(pair_loss.item(), rel=1e-12)
+    assert {k: v.item() for k, v in metrics.items()} == pytest.approx({k: v.item() for k, v in pair_metrics.items()})
+    with pytest.raises(ValueError, match="DPO trains on pairs, not ranked lists"):
+        build_batch(dpo, policy, reference, candidates=["chosen", "rejected"])
 
 
 def test_builder_rejects_missing_reference_and_labels():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from alignflow.core import SpecError, hookimpl
-from alignflow.core.train.datasets import token_ends
+from alignflow.core.train.steps import token_ends
 from alignflow.core.train.models import build_tiny, load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl.algorithm import Rollout
