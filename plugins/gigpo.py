@@ -22,35 +22,39 @@ class GiGPOConfig(GRPOConfig):
     # what makes two turns' states equal: the environment's latest observation (the paper's, and verl-agent's
     # anchor observation) or everything the model had read before the turn (a stricter key: equal histories)
     anchor_state: Literal["observation", "history"] = "observation"
-    # A^S of a step whose state no other step of its group shares: 0 (the paper's: no baseline to compare
-    # with), or its return R_t itself (verl-agent's step normalisation, which takes mean 0 and std 1 there)
-    lone_steps: Literal["zero", "return"] = "zero"
+    # A^E's mean and std over the group's episodes (the paper's), or over its steps, each episode's return once
+    # per turn it took (verl-agent's default, `compute_mean_std_cross_steps`)
+    episode_stats: Literal["episodes", "steps"] = "episodes"
     # scale_rewards (GRPO's) sets F_norm at both levels: the group's std (the paper's), or 1 (its "w/o std")
 
 
-def step_advantages(rewards: Tensor, group: Tensor, turns: Tensor, states: Tensor, gamma: float = 0.95,
-                    scale: bool = True, lone_steps: str = "zero") -> tuple[Tensor, Tensor]:
-    """[B, T] A^S on each model token of a turn, and [S] the size of each step's group (for metrics).
+def gigpo_advantages(rewards: Tensor, group: Tensor, turns: Tensor, states: Tensor, gamma: float = 0.95,
+                     step_weight: float = 1.0, scale: bool = True, episode_stats: str = "episodes"
+                     ) -> tuple[Tensor, Tensor]:
+    """[B, T] A^E + step_weight A^S on each model token of a turn (0 where `turns` is -1), and [S] the size of
+    each step's group.
 
-    A step is one (episode, turn); its return R_t = gamma^(L - t) R, L the episode's last turn and R its
-    reward (placed at the last turn). Steps of the same prompt group whose `states` hash is equal form a step
-    group; A^S = (R_t - mean) / (std + 1e-6) within it (std unbiased; `scale=False`: R_t - mean)."""
-    model = turns >= 0
-    rows, cols = model.nonzero(as_tuple=True)
+    A step is one (episode, turn); its return R_t = gamma^(L - t) R, L the episode's last turn and R its reward
+    (placed at the last turn). Steps of one prompt group whose `states` are equal form a step group; A^S =
+    (R_t - mean) / (std + 1e-6) within it, std unbiased, 0 for a step alone (`scale=False`: R_t - mean)."""
+    rewards = rewards.float()
+    rows, cols = (turns >= 0).nonzero(as_tuple=True)
     width = int(turns.max()) + 1 if rows.numel() else 1
     keys, inverse = torch.unique(rows * width + turns[rows, cols], return_inverse=True)  # one key per step
     step_row, step_turn = keys // width, keys % width
     step_state = torch.zeros_like(keys).scatter(0, inverse, states[rows, cols])
     last = torch.zeros_like(rewards, dtype=torch.long).scatter_reduce(0, step_row, step_turn, "amax")
-    returns = gamma ** (last[step_row] - step_turn).float() * rewards.float()[step_row]
+    returns = gamma ** (last[step_row] - step_turn).float() * rewards[step_row]
     _, step_group = torch.unique(torch.stack([group[step_row], step_state], 1), dim=0, return_inverse=True)
     n = int(step_group.max()) + 1 if step_group.numel() else 0
     size = group_sum(torch.ones_like(returns), step_group, n)[step_group]
-    adv = group_normalize(returns, step_group, scale=scale)
-    if lone_steps == "return":
-        adv = torch.where(size == 1, returns, adv)
+    if episode_stats == "steps":
+        episode = group_normalize(rewards[step_row], group[step_row], scale=scale)
+    else:
+        episode = group_normalize(rewards, group, scale=scale)[step_row]
+    step = episode + step_weight * group_normalize(returns, step_group, scale=scale)
     out = torch.zeros(turns.shape, dtype=torch.float32, device=turns.device)
-    out[rows, cols] = adv.float()[inverse]
+    out[rows, cols] = step[inverse]
     return out, size
 
 
@@ -65,8 +69,11 @@ class GiGPO(EpisodeTurns, GRPO):
     episode or in several, at any turn index, gathers those steps into a step group U_s. Their discounted
     returns R_t = sum_{k >= t} gamma^(k-t) r_k compare the actions taken from the same state, a per-step
     credit a critic would otherwise give, at no extra rollout: only hashing. The stage's reward is the
-    episode's total, placed at its last turn L, so R_t = gamma^(L-t) R. A step alone in its state gets A^S = 0
-    (`lone_steps`), F_norm is the group's unbiased std + 1e-6 (`scale_rewards: false`: 1, at both levels).
+    episode's total, placed at its last turn L, so R_t = gamma^(L-t) R. A step alone in its state gets A^S = 0,
+    as in the paper and verl-agent. F_norm is the group's unbiased std + 1e-6 (`scale_rewards: false`: 1, at
+    both levels). A^E's statistics are over the episodes; verl-agent by default takes them over the steps
+    (each episode once per turn), `episode_stats: steps`. States match exactly (verl-agent can also cluster
+    similar observations, which is not offered here).
 
     A state is a hash of the environment's latest observation (`anchor_state: observation`: the prompt before
     the first turn, a tool's result after a call), the paper's choice and verl-agent's; `history` hashes
@@ -95,14 +102,12 @@ class GiGPO(EpisodeTurns, GRPO):
         if rollout.turns is None or rollout.states is None:
             raise ValueError("gigpo needs multi-turn episodes (Rollout.turns and states): run it on a stage with "
                              "an `environment:`, or use grpo on single completions")
-        episode = group_normalize(rollout.rewards, rollout.group, scale=c.scale_rewards)
         turns = rollout.turns.where(rollout.response_mask.bool(), -1)
-        step, size = step_advantages(rollout.rewards.float(), rollout.group, turns, rollout.states, c.gamma,
-                                     c.scale_rewards, c.lone_steps)
-        mask = rollout.response_mask.to(torch.float32)
+        adv, size = gigpo_advantages(rollout.rewards, rollout.group, turns, rollout.states, c.gamma, c.step_weight,
+                                     c.scale_rewards, c.episode_stats)
         self._metrics = {"gigpo/anchored_steps": (size > 1).float().mean().item() if size.numel() else 0.0,
                          "gigpo/step_group_size": size.mean().item() if size.numel() else 0.0}
-        return episode[:, None] * mask + c.step_weight * step * mask, None
+        return adv, None
 
     def step_metrics(self) -> dict[str, float]:
         """The share of steps whose state another step of the group shares, and the size of a step's group,

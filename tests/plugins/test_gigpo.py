@@ -39,11 +39,13 @@ def episode_rollout():
                         turns=turns, states=states)
 
 
-def by_hand(scale=True, lone="zero"):
+def by_hand(scale=True, episode_stats="episodes"):
     """{(row, turn): A} worked out with gamma 0.95, omega 1."""
     eps = 1e-6
     # episode level, group 0: R = 1, 0, 1, 0, mean 0.5, centred +-0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735
     ae = 0.5 / (math.sqrt(1 / 3) + eps) if scale else 0.5  # 0.866025
+    if episode_stats == "steps":  # each return once per turn: 1, 1, 1 | 0, 0 | 1, 1 | 0, 0, 0: mean 0.5 again,
+        ae = 0.5 / (math.sqrt(10 * 0.25 / 9) + eps)  # std sqrt(10 x 0.25 / 9) = 0.527046: 0.948683
     a_e = [ae, -ae, ae, -ae, 0.0, 0.0]  # group 1: 1, 1 -> 0
     # step returns R_t = 0.95^(L - t) R, L the last turn:
     #   row 0 (L 2): S0 0.9025, A 0.95, B 1 | row 1 (L 1): S0 0, A 0 | row 2 (L 1): S0 0.95, C 1
@@ -61,8 +63,8 @@ def by_hand(scale=True, lone="zero"):
     a_a = [(x - a_mean) / (a_std + eps) if scale else x - a_mean for x in (0.95, 0.0, 0.0)]  # 1.1547, -0.57735 x2
     # step group B: row 0 turn 2 (1), row 3 turn 1 (0): +-0.5 / (std sqrt(0.5) + eps) = +-0.707107
     a_b = 0.5 / (math.sqrt(0.5) + eps) if scale else 0.5
-    # step group C: row 2 turn 1 alone: 0 (lone_steps "return": its return, 1)
-    a_c = 1.0 if lone == "return" else 0.0
+    # step group C: row 2 turn 1 alone: 0
+    a_c = 0.0
     a_s = {(0, 0): a_s0[0], (0, 1): a_a[0], (0, 2): a_b, (1, 0): a_s0[1], (1, 1): a_a[1], (2, 0): a_s0[2],
            (2, 1): a_c, (3, 0): a_s0[3], (3, 1): -a_b, (3, 2): a_a[2], (4, 0): 0.0, (5, 0): 0.0}
     return {k: a_e[k[0]] + v for k, v in a_s.items()}
@@ -82,23 +84,25 @@ def per_turn(adv, rollout):
 
 def test_defaults_and_capability():
     c = GiGPOConfig()
-    assert (c.gamma, c.step_weight, c.scale_rewards, c.anchor_state, c.lone_steps) == (
-        0.95, 1.0, True, "observation", "zero")
+    assert (c.gamma, c.step_weight, c.scale_rewards, c.anchor_state, c.episode_stats) == (
+        0.95, 1.0, True, "observation", "episodes")
     assert (c.kl_loss_coef, c.clip_low, c.loss_agg_mode) == (0.04, 0.2, "seq-mean-token-mean")  # GRPO's loss
     assert has(GiGPO(), EpisodeTurns) and not has(GRPO(), EpisodeTurns)
     assert GiGPO(GiGPOConfig(anchor_state="history")).anchor_state == "history"
 
 
-@pytest.mark.parametrize("scale, lone", [(True, "zero"), (False, "zero"), (True, "return")])
-def test_advantages_by_hand(scale, lone):
+@pytest.mark.parametrize("scale, stats", [(True, "episodes"), (False, "episodes"), (True, "steps")])
+def test_advantages_by_hand(scale, stats):
     r = episode_rollout()
-    algo = GiGPO(GiGPOConfig(scale_rewards=scale, lone_steps=lone))
+    algo = GiGPO(GiGPOConfig(scale_rewards=scale, episode_stats=stats))
     adv, returns = algo.advantages(r)
     assert returns is None
-    got, want = per_turn(adv, r), by_hand(scale, lone)
+    got, want = per_turn(adv, r), by_hand(scale, stats)
     assert got == pytest.approx(want, abs=1e-5)
     assert adv[r.response_mask == 0].abs().sum() == 0  # prompt, replies, padding: no advantage
-    if scale and lone == "zero":
+    if stats == "steps":
+        assert got[(2, 1)] == pytest.approx(0.948683, abs=1e-5)  # a lone step: the episode's advantage alone
+    if scale and stats == "episodes":
         assert got[(0, 0)] == pytest.approx(0.866025 + 0.821074, abs=1e-5)
         assert got[(0, 1)] == pytest.approx(0.866025 + 1.154701, abs=1e-5)
         assert got[(3, 2)] == pytest.approx(-0.866025 - 0.577350, abs=1e-5)
