@@ -10,7 +10,9 @@ every RL loss through its response mask) works on episodes unchanged.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
+import json
 import logging
 import threading
 import time
@@ -26,6 +28,10 @@ from alignflow.core.sampling import Generation
 
 log = logging.getLogger(__name__)
 ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error")  # why an episode ended
+# Per model turn of an episode: where it starts in the completion (a token offset), and state_hash of what
+# the model had read before it: the whole context (prompt, earlier turns and replies) and the environment's
+# latest observation alone (the first messages before turn 0, else the reply to the previous turn).
+TURN_RECORDS = ("turn_starts", "turn_history", "turn_observation")
 
 
 class EpisodeError(AlignflowError):
@@ -78,7 +84,8 @@ class Episodes:
             loss_mask=[r.transcript.mask for r in runs],
             episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
                       "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
-                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs]},
+                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs],
+                      **{k: [getattr(r, k) for r in runs] for k in TURN_RECORDS}},
             tools=list(tools.values()),  # the JSON schemas every episode was shown
         )
 
@@ -99,6 +106,7 @@ class Episodes:
                 ids = out.completion_ids[k][: budget - len(r.transcript.ids)]
                 lps = None if out.logprobs is None else out.logprobs[k][: len(ids)]
                 text = tokenizer.decode(ids, skip_special_tokens=True)
+                r.record_turn()
                 r.transcript.add_turn(ids, lps, text)
                 r.messages.append({"role": "assistant", "content": text})
                 r.turns += 1
@@ -122,8 +130,18 @@ class _Run:
     def __init__(self, env: Environment, transcript: Transcript, first: list):
         self.env, self.transcript = env, transcript
         self.messages = list(first)  # the conversation as written (tool results unformatted): an sft row
+        self.observation = list(first)  # the environment's latest observation, as messages
         self.reward, self.turns, self.tool_calls, self.tool_errors = 0.0, 0, 0, 0
         self.ended: str | None = None
+        self.turn_starts: list[int] = []
+        self.turn_history: list[int] = []
+        self.turn_observation: list[int] = []
+
+    def record_turn(self) -> None:
+        """Where the next model turn starts, and hashes of the state it starts from (see TURN_RECORDS)."""
+        self.turn_starts.append(len(self.transcript.ids))
+        self.turn_history.append(state_hash(self.transcript.context))
+        self.turn_observation.append(state_hash(self.observation))
 
     def take(self, answer: Step | BaseException, fmt: ToolFormat, budget: int, last: bool, name: str) -> None:
         """The environment's answer to the last turn: its reward, and its reply unless the episode is over."""
@@ -150,6 +168,13 @@ class _Run:
             return
         self.transcript.add_reply(reply, ids)
         self.messages += said
+        self.observation = said
+
+
+def state_hash(value) -> int:
+    """A 63-bit hash of JSON-able `value` (token ids, messages), the same in every process and on every rank."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def concurrently(calls: list[tuple]) -> list[Any]:

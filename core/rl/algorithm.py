@@ -18,8 +18,8 @@ The flags (`needs_old_logprobs`, `requires_reference`/`critic`/`teacher`/`step_r
 which forward passes and inputs the stage prepares. What one algorithm alone needs is an opt-in capability
 of `alignflow.core.rl.capabilities` that the stage checks with `has(algo, Capability)`: guided samples
 (`GuidedSamples`), replayed groups (`Replay`), refill rounds (`Regenerate`), a cost reward
-(`CostConstrained`), checkpointed state (`Stateful`), parameters of its own (`ExtraParameters`) and each
-reward's values apart (`RewardComponents`).
+(`CostConstrained`), checkpointed state (`Stateful`), parameters of its own (`ExtraParameters`), each
+reward's values apart (`RewardComponents`) and episodes turn by turn (`EpisodeTurns`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class Rollout:
     # [B, K] each stage reward's raw values, NaN where it returned None, for `RewardComponents` algorithms
     reward_values: Tensor | None = None
     reward_weights: tuple[float, ...] | None = None  # the K rewards' weights in the stage, same order
+    # multi-turn episodes, for `EpisodeTurns` algorithms: each model token's turn in its episode (0, 1, ...) and
+    # a hash of the state that turn started from; -1 and 0 on every other position
+    turns: Tensor | None = None  # [B, T] long
+    states: Tensor | None = None  # [B, T] long
 
     def __post_init__(self):
         b, t = self.response_mask.shape

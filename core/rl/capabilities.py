@@ -11,6 +11,7 @@ its members; the stage asks `has(algo, Capability)` and drives the feature only 
     ExtraParameters  extra_parameters                         trainable parameters beside the model's (λ-GRPO)
     RewardComponents (a marker)                               each reward's raw values as Rollout.reward_values (GDPO)
     TeacherDistributions uses_teacher_logits, distribution_loss a loss on the teacher's and student's logits (GKD)
+    EpisodeTurns     anchor_state                             each token's turn and state: Rollout.turns, states (GiGPO)
 
 The same members on a plain `RLAlgorithm` subclass still work for one release (see `LegacyMembers`).
 """
@@ -117,6 +118,20 @@ class TeacherDistributions:
     def distribution_loss(self, batch, student_logits: Tensor, teacher_logits: Tensor):
         """[b, T] per-token loss and detached metrics from [b, T, V] logits (position t predicts token t)."""
         raise NotImplementedError
+
+
+class EpisodeTurns:
+    """On multi-turn episodes (a stage with an `environment:`), `Rollout.turns` [B, T] numbers each model
+    token's turn in its episode (0, 1, ...; -1 on prompt, reply and padding positions) and `Rollout.states`
+    [B, T] holds on the same tokens a 63-bit hash of the state that turn started from (0 elsewhere): with
+    `anchor_state` "history" everything the model had read before the turn (prompt, its earlier turns and the
+    environment's replies, as token ids), with "observation" the environment's latest observation alone (the
+    prompt's messages before turn 0, else its reply to the previous turn, as messages). Equal hashes: equal
+    states. The stage refuses an algorithm with this capability on a stage without an environment."""
+
+    @property
+    def anchor_state(self) -> str:
+        return "history"
 
 
 CAPABILITIES = (GuidedSamples, Replay, Regenerate, CostConstrained, Stateful, ExtraParameters, RewardComponents)

@@ -19,7 +19,7 @@ from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.rl.algorithm import Rollout
 from alignflow.core.environments.episodes import episode_metrics
 from alignflow.core.rl.capabilities import Regenerate, has
-from alignflow.flows.stages.rl.costs import cost_label, reward_components
+from alignflow.flows.stages.rl.costs import cost_label, reward_components, turn_anchor
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
@@ -159,7 +159,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
     sources = {}  # group id -> its dataset row
     times = {"generate": 0.0, "score": 0.0}
     cap, cost = algo.max_gen_batches if has(algo, Regenerate) else 1, cost_label(algo)
-    components = reward_components(algo, rewards)
+    components, anchor = reward_components(algo, rewards), turn_anchor(algo)
     while n_kept < want and (cap == 0 or rounds < cap):
         index, mine, seed = round_share(ctx, step, rounds, dataset, draw)
         rows = [dataset[i] for i in index]
@@ -170,7 +170,7 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost, components)
+        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost, components, anchor)
         keep = algo.filter_groups(batch.rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
@@ -205,10 +205,11 @@ def whole_round(samples: Samples) -> Samples:
 
 
 def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | None = None,
-             components: dict[str, float] | None = None) -> Batch:
+             components: dict[str, float] | None = None, anchor: str | None = None) -> Batch:
     """Right-pad prompt+completion ids to the longest sequence; the sampler's log-probs as pi_old; `cost`, the
     label of the algorithm's cost reward, gives `Rollout.costs` its raw values (NaN where it failed);
-    `components` ({label: weight}) gives `Rollout.reward_values` and `reward_weights`."""
+    `components` ({label: weight}) gives `Rollout.reward_values` and `reward_weights`; `anchor` (an
+    `EpisodeTurns` algorithm's `anchor_state`) gives episodes their `Rollout.turns` and `states`."""
     prompt_len = [len(p) for p in samples.prompt_ids]
     seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids = pad(seqs, pad_id)
@@ -234,8 +235,23 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | Non
         costs=None if cost is None else raw_values(samples, [cost])[:, 0],
         reward_values=None if components is None else raw_values(samples, list(components)),
         reward_weights=None if components is None else tuple(components.values()),
+        **({} if anchor is None or samples.episodes is None else turn_tensors(samples, prompt_len, response, anchor)),
     )
     return Batch(ids, attention, rollout)
+
+
+def turn_tensors(samples: Samples, prompt_len: list[int], response: torch.Tensor, anchor: str) -> dict:
+    """`Rollout.turns` and `states` [B, T]: each model token's turn and the `anchor` hash of its state (the
+    episodes' `turn_starts` and `turn_{anchor}`); -1 and 0 on every other position."""
+    turns = torch.full(response.shape, -1, dtype=torch.long)
+    states = torch.zeros(response.shape, dtype=torch.long)
+    hashes = samples.episodes[f"turn_{anchor}"]
+    for row, (n, starts) in enumerate(zip(prompt_len, samples.episodes["turn_starts"])):
+        ends = starts[1:] + [response.shape[1] - n]
+        for k, (lo, hi) in enumerate(zip(starts, ends)):
+            turns[row, n + lo: n + hi], states[row, n + lo: n + hi] = k, hashes[row][k]
+    model = response.bool()
+    return {"turns": turns.where(model, -1), "states": states.where(model, 0)}
 
 
 def raw_values(samples: Samples, labels: list[str]) -> torch.Tensor:

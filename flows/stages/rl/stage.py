@@ -29,7 +29,7 @@ from alignflow.core.progress import progress
 from alignflow.core.rewards import RewardSet
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
-from alignflow.flows.stages.rl.costs import check_costs, cost_label, reward_components
+from alignflow.flows.stages.rl.costs import check_costs, cost_label, reward_components, turn_anchor
 from alignflow.flows.stages.rl.guided import rescore_guided, with_guided
 from alignflow.flows.stages.rl.overlap import Overlapped, overlap_next
 from alignflow.flows.stages.rl.params import attach_parameters, detach_parameters
@@ -217,7 +217,7 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
     if p.critic is not None:
         fill["values"] = partial(critic_values, p.critic.model)
     batch = to_batch(kept, p.tokenizer.pad_token_id, completion_budget(s.generation, p.episodes), cost_label(p.algo),
-                     reward_components(p.algo, p.rewards))
+                     reward_components(p.algo, p.rewards), turn_anchor(p.algo))
     batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
     # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
     # taken when `fill` recomputed pi_old for every row).

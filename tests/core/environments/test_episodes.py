@@ -7,7 +7,8 @@ import pytest
 
 from alignflow.core import Sampler
 from alignflow.core.environments import Environment, Step
-from alignflow.core.environments.episodes import EpisodeError, Episodes, concurrently, episode_metrics
+from alignflow.core.environments.episodes import (EpisodeError, Episodes, concurrently, episode_metrics,
+                                                 state_hash)
 from alignflow.core.sampling import Generation
 from alignflow.core.spec.settings import GenerationSettings
 from alignflow.core.task.tokenizer import build_char_tokenizer
@@ -57,6 +58,7 @@ def test_a_tool_call_then_an_answer():
     assert g.texts == ["<call>calculator 7*8</call><result>56</result><answer>56</answer>"] * 2 + \
         ["<call>calculator 6*7</call><result>42</result><answer>42</answer>"] * 2
     messages = g.episodes.pop("messages")
+    starts, history, observation = (g.episodes.pop(k) for k in ("turn_starts", "turn_history", "turn_observation"))
     assert [t["function"]["name"] for t in g.tools] == ["calculator"]  # once for the batch, not per episode
     assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
                           "ended": ["done"] * 4}
@@ -72,6 +74,13 @@ def test_a_tool_call_then_an_answer():
     assert TOK.decode([t for t, m in zip(ids, mask) if not m]) == "<result>56</result>"
     assert [x for x, m in zip(lp, mask) if not m] == [0.0] * mask.count(0)
     assert [x for x, m in zip(lp, mask) if m] == [-1.0] * mask.count(1)
+    # each turn's first token, and the states it started from: the second turn after the reply to the first
+    assert starts == [[0, mask.index(1, mask.index(0))]] * 4  # the first model token after the first reply
+    assert history[0] == history[1] != history[2] and len(set(history[0])) == 2  # each prompt's own episodes alike
+    assert history[0][0] == state_hash(g.prompt_ids[0]) and history[0][1] == state_hash(g.prompt_ids[0] + ids[
+        : starts[0][1]])
+    assert observation[0] == [state_hash([{"role": "user", "content": "7*8="}]),
+                              state_hash([{"role": "tool", "name": "calculator", "content": "56"}])]
     # one sampler call per turn for every running episode, each turn seeded apart
     assert [c[:2] for c in sampler.calls] == [(4, 1), (4, 1)] and sampler.calls[0][3] != sampler.calls[1][3]
     assert episode_metrics(g.episodes)["episode/tool_calls"] == 1.0

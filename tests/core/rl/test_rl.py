@@ -151,7 +151,12 @@ def test_every_registered_rl_algorithm_runs_through_the_contract():
                            values=torch.full((8, 5), 0.5), teacher_logprobs=torch.full((8, 5), -0.9),
                            max_new_tokens=5,
                            step_rewards=step_mask * torch.linspace(0, 1, 8)[:, None], step_mask=step_mask,
-                           costs=torch.tensor([1.0, 0, -1, 0, 2, 0, 0, float("nan")]))
+                           costs=torch.tensor([1.0, 0, -1, 0, 2, 0, 0, float("nan")]),
+                           # two turns per episode (for EpisodeTurns algorithms): the first from the prompt's state,
+                           # the second from one of two states
+                           turns=torch.where(mask.bool(), (torch.arange(5) >= 2).long(), -1),
+                           states=torch.where(mask.bool(), torch.where(torch.arange(5) >= 2,
+                                                                       torch.arange(8)[:, None] % 2 + 1, 0), 0))
     for entry in rl:
         algo = entry.obj(entry.obj.Config(**REQUIRED_CONFIG.get(entry.name, {})))
         assert isinstance(algo, RLAlgorithm)

@@ -85,6 +85,41 @@ def test_rl_trains_on_episodes_and_reports_them(tmp_path, plugins, tiny):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_gigpo_trains_on_episodes_with_an_advantage_per_turn(tmp_path, plugins, tiny, monkeypatch):
+    """Echo's reply to turn k is "[k]" in every episode, so (anchor_state: observation) the turns after it share
+    a state across a group's episodes: the step advantages differ from turn to turn within an episode."""
+    from alignflow.plugins.gigpo import GiGPO
+
+    seen, advantages = [], GiGPO.advantages
+
+    def recorded(self, rollout):
+        adv, returns = advantages(self, rollout)
+        seen.append((rollout, adv))
+        return adv, returns
+
+    monkeypatch.setattr(GiGPO, "advantages", recorded)
+    log = []
+    result = run_rl(rl_ctx(tmp_path, plugins, tiny, rows(tmp_path / "rl.jsonl"), log, ECHO, algorithm="gigpo"))
+    assert seen and all(0 < m["gigpo/anchored_steps"] <= 1 for _, m in log[:-1])
+    per_turn = []  # the distinct advantages on each turn of each row of several turns
+    for rollout, adv in seen:
+        for row in range(adv.shape[0]):
+            turns = rollout.turns[row]
+            if turns.max() > 0:
+                values = [adv[row][turns == t] for t in range(int(turns.max()) + 1)]
+                assert all(v.unique().numel() == 1 for v in values)  # one advantage per turn
+                per_turn.append(len({round(v[0].item(), 6) for v in values}))
+    assert per_turn and max(per_turn) > 1  # some episode's turns got different advantages
+    before, after = load_model(tiny).state_dict(), load_model(result.outputs["model"]).state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_gigpo_refuses_a_stage_without_an_environment(tmp_path, plugins, tiny):
+    ctx = make_ctx(tmp_path, plugins, tiny, "gigpo", rows(tmp_path / "rl.jsonl"), [])
+    with pytest.raises(SpecError, match="GiGPO learns from the turns of multi-turn episodes"):
+        run_rl(ctx)
+
+
 def _killed_at_step_2(root, model, data):  # in a child process: SIGKILL itself once step 2 is logged
     with registered(TestEnvironments, "test_rl_environment") as plugins:
         ctx = rl_ctx(root, plugins, model, data, [], ECHO, max_steps=3)

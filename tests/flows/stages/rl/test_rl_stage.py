@@ -14,6 +14,7 @@ from alignflow.core.train.steps import token_ends
 from alignflow.core.train.models import build_tiny, load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import get_plugins
 from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.rl.capabilities import EpisodeTurns, has
 from alignflow.core.spec.settings import RLSettings
 from alignflow.core.spec.schema import StageSpec
 from alignflow.flows.stages import StageContext
@@ -97,6 +98,9 @@ def test_every_rl_algorithm_trains_through_the_stage(tmp_path, plugins, tiny, na
         ctx = make_ctx(tmp_path, plugins, tiny, spec, data, log, ("ascii_first", *cost),
                        generation={"max_new_tokens": 24})
         with_prm(ctx, tiny, tmp_path)
+    elif has(algo, EpisodeTurns):  # it learns from the turns of episodes, which need an environment
+        ctx = make_ctx(tmp_path, plugins, tiny, spec, data, log, ("ascii_first", *cost),
+                       environment={"name": "math_tools", "max_turns": 2, "max_tokens": 12})
     else:
         ctx = make_ctx(tmp_path, plugins, tiny, spec, data, log, ("ascii_first", *cost))
     if algo.requires_teacher:  # another model, so that the distillation advantages are not ~0
