@@ -20,7 +20,7 @@ from alignflow.core.train.memory import gib, parse_size, pipeline_memory
 from alignflow.core.plugins import get_plugins
 from alignflow.flows.api import run_checked
 from alignflow.flows.launch.child import configure_logging
-from alignflow.flows.data import DATA_DIR, regenerate_data
+from alignflow.flows.data import DATA_DIR, reasoning_gym_data, reasoning_gym_steps_data, regenerate_data
 from alignflow.flows.launch.nodes import LAUNCHER_VARS, launched_by_deepspeed
 from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions, stage_count
 from alignflow.flows.preflight import check_pipeline
@@ -204,9 +204,12 @@ def cmd_run(args) -> int:
 
 def cmd_data(args) -> int:
     """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged), the tool-use task's
-    (`data tool-use`), or write a reasoning-gym task's rows (`data reasoning-gym TASK`)."""
-    if args.source == "reasoning-gym":
-        return _reasoning_gym_data(args)
+    (`data tool-use`), or write a reasoning-gym task's rows (`data reasoning-gym TASK`), or worked step-wise
+    solutions of several (`data reasoning-gym-steps --tasks A,B`)."""
+    if args.source in ("reasoning-gym", "reasoning-gym-steps"):
+        for line in (reasoning_gym_data if args.source == "reasoning-gym" else reasoning_gym_steps_data)(args):
+            console.print(line)
+        return 0
     if args.source == "tool-use":
         from alignflow.core.task.tool_use import write_tool_datasets
 
@@ -219,35 +222,6 @@ def cmd_data(args) -> int:
     for name, path in regenerate_data(Path.cwd()).items():
         console.print(f"{name}: {path}")
     return 0
-
-
-def _reasoning_gym_data(args) -> int:
-    """`size` rows of a reasoning-gym task from a seed, as JSONL (the same command writes the same bytes)."""
-    from alignflow.core.task.arithmetic import write_jsonl
-    from alignflow.plugins.reasoning_gym import task_rows
-
-    config = dict(_key_value(item) for item in args.config)
-    exclude = set()
-    for path in args.exclude:
-        try:
-            exclude |= {json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()}
-        except (OSError, ValueError, KeyError) as exc:
-            raise AlignflowError(f"--exclude {path}: expected a JSONL file of rows with a prompt ({exc})") from None
-    out = Path(args.out or f"{DATA_DIR}-reasoning-gym/{args.task}-seed{args.seed}-{args.size}.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out, task_rows(args.task, args.size, args.seed, config, exclude))
-    console.print(f"{args.task}: {args.size} rows (seed {args.seed}) -> {out}")
-    return 0
-
-
-def _key_value(item: str) -> tuple[str, object]:
-    """`key=value` with a YAML value (`min_terms=3` gives an int)."""
-    import yaml
-
-    key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise AlignflowError(f"--config {item!r}: expected KEY=VALUE")
-    return key, yaml.safe_load(value)
 
 
 def cmd_reproduce(args) -> int:
@@ -352,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--exclude", action="append", default=[], metavar="JSONL",
                    help="skip rows whose prompt is in this file (a training set, for a test set); repeatable")
     q.add_argument("--out", help="the JSONL to write (default data-reasoning-gym/TASK-seedS-N.jsonl)")
+    q = sources.add_parser("reasoning-gym-steps", help="rows of several reasoning-gym tasks with worked, step-wise "
+                           "solutions by a clean or sloppy teacher (plugins/reasoning_gym_steps.py)")
+    q.add_argument("--tasks", required=True, help="comma-separated, e.g. chain_sum,spell_backward,count_bits")
+    q.add_argument("--size", type=int, default=500, help="rows per task (default 500)")
+    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
+    q.add_argument("--teacher", choices=("clean", "sloppy"), default="clean", help="sloppy: one slip in half the "
+                   "solutions, followed through (default clean)")
+    q.add_argument("--exclude", action="append", default=[], metavar="JSONL", help="skip rows whose prompt is in this "
+                   "file; repeatable")
+    q.add_argument("--columns", help="comma-separated columns to keep (default all), e.g. prompt,completion,task "
+                   "for an sft file")
+    q.add_argument("--out", required=True, help="the JSONL to write")
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
     p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")

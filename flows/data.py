@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,55 @@ def dvc(project: Path, *args: str) -> str:
     if done.returncode != 0:
         raise AlignflowError(f"dvc {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout
+
+
+def reasoning_gym_data(args) -> list[str]:
+    """`size` rows of a reasoning-gym task from a seed, as JSONL (the same command writes the same bytes)."""
+    from alignflow.core.task.arithmetic import write_jsonl
+    from alignflow.plugins.reasoning_gym import task_rows
+
+    config = dict(_key_value(item) for item in args.config)
+    out = Path(args.out or f"{DATA_DIR}-reasoning-gym/{args.task}-seed{args.seed}-{args.size}.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out, task_rows(args.task, args.size, args.seed, config, excluded_prompts(args.exclude)))
+    return [f"{args.task}: {args.size} rows (seed {args.seed}) -> {out}"]
+
+
+def reasoning_gym_steps_data(args) -> list[str]:
+    """`size` rows of each of several reasoning-gym tasks with a teacher's worked step-wise solutions."""
+    from alignflow.core.task.arithmetic import write_jsonl
+    from alignflow.plugins.reasoning_gym_steps import step_rows
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    rows = step_rows(tasks, args.size, args.seed, args.teacher, excluded_prompts(args.exclude))
+    if args.columns:
+        keep = [c.strip() for c in args.columns.split(",") if c.strip()]
+        missing = [c for c in keep if c not in rows[0]]
+        if missing:
+            raise AlignflowError(f"--columns: {', '.join(missing)} not among the rows' ({', '.join(rows[0])})")
+        rows = [{c: row[c] for c in keep} for row in rows]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out, rows)
+    return [f"{','.join(tasks)}: {len(rows)} rows, {args.teacher} teacher (seed {args.seed}) -> {out}"]
+
+
+def excluded_prompts(paths: list[str]) -> set[str]:
+    """The prompts of JSONL files (a training set's, for a test set)."""
+    exclude: set[str] = set()
+    for path in paths:
+        try:
+            exclude |= {json.loads(line)["prompt"] for line in Path(path).read_text().splitlines() if line.strip()}
+        except (OSError, ValueError, KeyError) as exc:
+            raise AlignflowError(f"--exclude {path}: expected a JSONL file of rows with a prompt ({exc})") from None
+    return exclude
+
+
+def _key_value(item: str) -> tuple[str, object]:
+    """`key=value` with a YAML value (`min_terms=3` gives an int)."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise AlignflowError(f"--config {item!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)

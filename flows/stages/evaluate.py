@@ -2,7 +2,8 @@
 
 Best-of-n (`best_of: [reward, ...]`): per prompt, the completion a reward (a reward model, a PRM)
 scores highest is kept, and the share of kept completions that are correct is reported. Against it:
-`accuracy` (a random pick) and `pass_at_n` (an oracle pick).
+`accuracy` (a random pick) and `pass_at_n` (an oracle pick). With `group_by: COLUMN` each is also
+reported per value of that row column (e.g. `task`, for one figure per task of a mixed test set).
 """
 
 from __future__ import annotations
@@ -28,14 +29,37 @@ def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
     return {f"accuracy/{column}_{v}": hits[v] / totals[v] for v in sorted(totals, key=str)}
 
 
-def best_of_n(scored: Scored, reward: str) -> float:
-    """Accuracy when each prompt keeps the completion `reward` scores highest (the first of equals)."""
+def best_picks(scored: Scored, reward: str) -> dict[int, bool]:
+    """Per prompt, whether the completion `reward` scores highest (the first of equals) is correct."""
     values = scored.rewards.values[reward]
     best: dict[int, tuple[float, int]] = {}  # prompt -> (score, -index) of its pick so far
     for j, i in enumerate(scored.generation.prompt_index):
         key = (values[j] if values[j] is not None else float("-inf"), -j)
         best[i] = max(best.get(i, key), key)
-    return sum(scored.correct[-j] for _, j in best.values()) / len(best)
+    return {i: scored.correct[-j] for i, (_, j) in best.items()}
+
+
+def best_of_n(scored: Scored, reward: str) -> float:
+    """Accuracy when each prompt keeps the completion `reward` scores highest (the first of equals)."""
+    picks = best_picks(scored, reward)
+    return sum(picks.values()) / len(picks)
+
+
+def grouped_selection(scored: Scored, column: str, best_of: list[str]) -> dict[str, float]:
+    """Per value of a row column: pass_at_<n>/<column>_<value> (an oracle pick) and
+    best_of_<n>/<reward>/<column>_<value> for each selector, over that value's prompts."""
+    groups: dict = defaultdict(list)
+    for i, row in enumerate(scored.rows):
+        groups[row.get(column)].append(i)
+    counts = scored.counts()
+    picks = {name: best_picks(scored, name) for name in best_of}
+    metrics = {}
+    for v in sorted(groups, key=str):
+        prompts = groups[v]
+        metrics[f"pass_at_{scored.n}/{column}_{v}"] = sum(counts[i] > 0 for i in prompts) / len(prompts)
+        for name in best_of:
+            metrics[f"best_of_{scored.n}/{name}/{column}_{v}"] = sum(picks[name][i] for i in prompts) / len(prompts)
+    return metrics
 
 
 def write_samples(scored: Scored, path) -> None:
@@ -63,6 +87,8 @@ def run_evaluate(ctx: StageContext) -> StageResult:
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))
+        if s.best_of or s.n > 1:
+            metrics.update(grouped_selection(scored, s.group_by, s.best_of))
     for name in s.best_of:
         metrics[f"best_of_{s.n}/{name}"] = best_of_n(scored, name)
     samples = ctx.work_dir / "samples.jsonl"

@@ -22,7 +22,7 @@ from alignflow.core.spec.schema import parse_spec
 from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.flows.launch.ranks import run_in_processes
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.evaluate import best_of_n
+from alignflow.flows.stages.evaluate import best_of_n, grouped_selection
 from alignflow.flows.stages.prm import run_prm, step_major
 from alignflow.flows.stages.scoring import Scored
 from alignflow.flows.stages.step_labels import prefix, run_step_labels
@@ -250,3 +250,16 @@ def test_best_of_n_keeps_each_prompts_top_scored_completion():
     scored = Scored([{"prompt": f"p{i}"} for i in range(3)], 0, generation,
                     RewardOutput([0.0] * 7, {"rm": values}), [True, False, True, False, True, False, True])
     assert best_of_n(scored, "rm") == pytest.approx(2 / 3)  # a, d (wrong), e (first of the tie)
+
+
+def test_best_of_n_pass_at_n_per_task_count_each_tasks_prompts():
+    # p0, p1: task a; p2: task b. rm picks a (right), d (wrong), e (right); the oracle finds one in each
+    values = [0.9, 0.1, 0.2, 0.8, 0.5, 0.1]
+    generation = Generation([0, 0, 1, 1, 2, 2], [[0]] * 6, list("abcdef"), [False] * 6)
+    rows = [{"prompt": "p0", "task": "a"}, {"prompt": "p1", "task": "a"}, {"prompt": "p2", "task": "b"}]
+    scored = Scored(rows, 2, generation, RewardOutput([0.0] * 6, {"rm": values}),
+                    [True, False, True, False, True, False])
+    assert grouped_selection(scored, "task", ["rm"]) == {
+        "pass_at_2/task_a": 1.0, "best_of_2/rm/task_a": 0.5, "pass_at_2/task_b": 1.0, "best_of_2/rm/task_b": 1.0}
+    scored.correct = [False, False, True, False, True, False]
+    assert grouped_selection(scored, "task", [])["pass_at_2/task_a"] == 0.5
