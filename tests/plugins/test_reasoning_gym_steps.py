@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from alignflow.core.errors import AlignflowError  # noqa: E402
-from alignflow.core.train.datasets import split_steps  # noqa: E402
+from alignflow.core.train.steps import split_steps  # noqa: E402
 from alignflow.plugins.reasoning_gym import reasoning_gym  # noqa: E402
 from alignflow.plugins.reasoning_gym_steps import (NOISE, SEPARATOR, WRITERS, render, sloppy_fault,  # noqa: E402
                                                    step_rows, worked)
