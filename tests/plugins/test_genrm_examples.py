@@ -39,7 +39,8 @@ def test_rows_become_question_rationale_and_verdict():
 def test_direct_rows_hold_the_verdict_alone_and_solutions_add_sft_rows():
     out = GenRMExamples(GenRMExamples.Config(rationale="none", balance=False, solutions=True))(ROWS, random.Random(0))
     assert [r["completion"] for r in out[:4]] == [" Yes", " No", " No", " Yes"]
-    assert out[4:] == [{"prompt": "37+48=", "completion": RIGHT}, {"prompt": "47*6=", "completion": ROWS[3]["completion"]}]
+    assert out[4:] == [{"prompt": "37+48=", "completion": RIGHT},
+                       {"prompt": "47*6=", "completion": ROWS[3]["completion"]}]
 
 
 def test_balance_keeps_every_minority_row_and_a_seeded_draw_of_the_rest():
