@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field
 
-from alignflow.core import PluginConfig, hookimpl
-from alignflow.plugins.genrm_examples import NO, TEMPLATE, YES, check_template
+from alignflow.core import hookimpl
+from alignflow.plugins.genrm_examples import VerdictConfig
 
 
 class GenerativeVerifier:
@@ -22,11 +22,8 @@ class GenerativeVerifier:
     `max_length` tokens is cut from the left.
     """
 
-    class Config(PluginConfig):
+    class Config(VerdictConfig):  # template, yes, no: as the verifier's rows had them
         path: str = Field(description="the verifier: a causal LM checkpoint folder (model and tokenizer)")
-        template: str = Field(TEMPLATE, description="with {prompt} and {completion}; as the verifier was trained")
-        yes: str = YES
-        no: str = NO
         mode: Literal["direct", "cot"] = "direct"
         votes: int = Field(4, ge=1, description="cot: rationales sampled per completion, their verdicts averaged")
         temperature: float = Field(1.0, gt=0)
@@ -35,14 +32,6 @@ class GenerativeVerifier:
         batch_size: int = Field(8, ge=1)
         max_length: int = Field(256, ge=8)
         device: str | None = Field(None, description="default: cuda when available, else cpu")
-
-        _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
-
-        @model_validator(mode="after")
-        def _distinct_verdicts(self):
-            if not self.yes or not self.no or self.yes == self.no:
-                raise ValueError(f"yes {self.yes!r} and no {self.no!r} must be two different non-empty texts")
-            return self
 
     def __init__(self, config: Config):
         import torch

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from alignflow.core import PluginConfig, Selector, hookimpl
 from alignflow.core.task.arithmetic import extract_answer, parse, work
+from alignflow.plugins.judge_examples import balanced, check_samples
 
 # The verification question of Zhang et al. 2024 ("Is the answer correct (Yes/No)?") after the problem and
 # the candidate solution; the `genrm` reward's default, so the verifier is asked what it was trained on.
@@ -25,6 +26,22 @@ def check_template(template: str) -> str:
     if names != {"prompt", "completion"}:
         raise ValueError(f"template {template!r} must use {{prompt}} and {{completion}}, and nothing else")
     return template
+
+
+class VerdictConfig(PluginConfig):
+    """The verification prompt and the two verdicts: the rows' and the `genrm` reward's, which must agree."""
+
+    template: str = Field(TEMPLATE, description="with {prompt} and {completion}")
+    yes: str = YES
+    no: str = NO
+
+    _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
+
+    @model_validator(mode="after")
+    def _distinct_verdicts(self):
+        if not self.yes or not self.no or self.yes == self.no:
+            raise ValueError(f"yes {self.yes!r} and no {self.no!r} must be two different non-empty texts")
+        return self
 
 
 def recheck(prompt: str, completion: str) -> str:
@@ -65,29 +82,14 @@ class GenRMExamples(Selector):
     since the cold start's samples are mostly one or the other. `solutions` also keeps each correct sample as an
     SFT row: the paper's joint objective (its λ) with the solution-generation loss; off by default."""
 
-    class Config(PluginConfig):
-        template: str = Field(TEMPLATE, description="with {prompt} and {completion}; the `genrm` reward's template")
-        yes: str = YES
-        no: str = NO
+    class Config(VerdictConfig):
         rationale: Literal["steps", "none"] = "steps"
         balance: bool = True
         solutions: bool = False  # also each correct sample as an SFT row (the paper's joint SFT objective)
 
-        _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
-
-        @model_validator(mode="after")
-        def _distinct_verdicts(self):
-            if not self.yes or not self.no or self.yes == self.no:
-                raise ValueError(f"yes {self.yes!r} and no {self.no!r} must be two different non-empty texts")
-            return self
-
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:
         c = self.config
-        for i, row in enumerate(rows):
-            missing = {"prompt", "completion", "correct"} - row.keys()
-            if missing:
-                raise ValueError(f"genrm_examples: row {i} has no {', '.join(sorted(missing))} (expected an "
-                                 "evaluate stage's samples)")
+        check_samples(rows, "genrm_examples")
         out = []
         for i, r in enumerate(rows):
             try:
@@ -96,12 +98,7 @@ class GenRMExamples(Selector):
                 raise ValueError(f"genrm_examples: row {i}, field prompt: {e}") from None
             out.append({"prompt": c.template.format(prompt=r["prompt"], completion=r["completion"]),
                         "completion": why + (c.yes if r["correct"] else c.no)})
-        keep = range(len(rows))
-        if c.balance:
-            yes = [i for i, r in enumerate(rows) if r["correct"]]
-            no = [i for i, r in enumerate(rows) if not r["correct"]]
-            small, large = sorted([yes, no], key=len)
-            keep = sorted(small + rng.sample(large, len(small)))  # input order kept
+        keep = balanced(rows, rng) if c.balance else range(len(rows))
         solutions = [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows if r["correct"]]
         return [out[i] for i in keep] + (solutions if c.solutions else [])
 
