@@ -10,6 +10,23 @@ from pydantic import Field
 from alignflow.core import PluginConfig, Selector, hookimpl
 
 
+def check_samples(rows: list[dict], selector: str) -> None:
+    """A ValueError naming the first row that is not an `evaluate` stage's scored sample."""
+    for i, row in enumerate(rows):
+        missing = {"prompt", "completion", "correct"} - row.keys()
+        if missing:
+            raise ValueError(f"{selector}: row {i} has no {', '.join(sorted(missing))} (expected an "
+                             "evaluate stage's samples)")
+
+
+def balanced(rows: list[dict], rng: random.Random) -> list[int]:
+    """Every row of the rarer verdict (`correct`) and a seeded draw of as many of the other, in input order."""
+    yes = [i for i, r in enumerate(rows) if r["correct"]]
+    no = [i for i, r in enumerate(rows) if not r["correct"]]
+    small, large = sorted([yes, no], key=len)
+    return sorted(small + rng.sample(large, len(small)))
+
+
 class JudgeExamples(Selector):
     """Map each scored sample (an `evaluate` stage's rows: prompt, completion, correct) to an SFT row that teaches
     the model to judge: prompt = `template` filled with the sample's prompt and completion, completion = `yes`
@@ -34,19 +51,10 @@ class JudgeExamples(Selector):
         names = {name for _, name, _, _ in string.Formatter().parse(c.template) if name is not None}
         if not names or names - {"prompt", "completion"}:
             raise ValueError(f"judge_examples: template {c.template!r} must use {{prompt}} and {{completion}} only")
-        for i, row in enumerate(rows):
-            missing = {"prompt", "completion", "correct"} - row.keys()
-            if missing:
-                raise ValueError(f"judge_examples: row {i} has no {', '.join(sorted(missing))} (expected an "
-                                 "evaluate stage's samples)")
+        check_samples(rows, "judge_examples")
         judged = [{"prompt": c.template.format(prompt=r["prompt"], completion=r["completion"]),
                    "completion": c.yes if r["correct"] else c.no} for r in rows]
-        keep = range(len(rows))
-        if c.balance:
-            yes = [i for i, r in enumerate(rows) if r["correct"]]
-            no = [i for i, r in enumerate(rows) if not r["correct"]]
-            small, large = sorted([yes, no], key=len)
-            keep = sorted(small + rng.sample(large, len(small)))  # input order kept
+        keep = balanced(rows, rng) if c.balance else range(len(rows))
         answers = [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows if r["correct"]]
         return [judged[i] for i in keep] + (answers if c.answers else [])
 

@@ -94,7 +94,7 @@ class StageKind:
 
 MODEL, DATASET = "model", "dataset"
 TRAIN_INPUTS = {"model": MODEL, "dataset": DATASET, "eval_dataset": DATASET}
-SCORERS = {"reward_model": MODEL, "prm": MODEL}  # a trained reward model or PRM, for rewards that load one
+SCORERS = {"reward_model": MODEL, "prm": MODEL, "verifier": MODEL}  # a trained scorer, for rewards that load one
 REQUIRED = frozenset({"model", "dataset"})
 # Training stages may list rewards (and a sampler) to score `eval_dataset` completions at the end.
 POLICY_PLUGINS = frozenset({"algorithm", "rewards", "sampler"})
