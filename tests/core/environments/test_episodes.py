@@ -213,3 +213,25 @@ def test_per_turn_rewards_add_up_and_a_group_starts_alike():
     secret = (0 * 104_723 + 0) % 10  # seeds.episode(seed, row) for row 0
     assert g.episodes["turns"] == [secret + 1] * 2
     assert g.episodes["reward"] == [pytest.approx(1.0 - 0.1 * secret)] * 2
+
+
+def test_an_sft_row_of_an_episode_trains_on_the_ids_the_episode_was_played_with(tmp_path):
+    """The cold start learns the tokens the model then reads and writes in its episodes: an episode's conversation
+    (a calculator call, its result, the answer; or an answer at once), tokenised by the sft stage, gives the
+    episode's prompt and completion ids, labelled exactly on the model's turns."""
+    import json
+
+    from alignflow.core.train.datasets import IGNORE_INDEX, load_rows, tokenize
+
+    def teacher(context, turn):  # the sloppy teacher: calls the calculator on 7*8, answers 6*7 at once
+        return solve(context, turn) if context.startswith("7*8=") else "<answer>41</answer>"
+
+    g = episodes().generate(Scripted(teacher), TOK, ROWS, 1, GEN, seed=0)
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in g.episodes["messages"]))
+    out, _ = tokenize(load_rows(path, "sft_messages", cache_dir=str(tmp_path / "cache")), TOK, max_length=128)
+    assert g.episodes["tool_calls"] == [1, 0]
+    for row, prompt, completion, mask in zip(out, g.prompt_ids, g.completion_ids, g.loss_mask):
+        assert row["input_ids"] == prompt + completion
+        assert row["labels"] == [IGNORE_INDEX] * len(prompt) + [t if m else IGNORE_INDEX
+                                                                for t, m in zip(completion, mask)]
