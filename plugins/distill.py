@@ -117,7 +117,8 @@ class Distill(TeacherDistributions, PolicyGradient):
         top_k = c.top_k if c.form == "top_k" else None
         div = logit_divergence(student_logits, teacher_logits, c.divergence, c.beta, top_k, c.top_k_tail,
                                c.chunk_positions) * mask
-        metrics = {f"distill/{c.divergence}": masked_mean(div.detach(), mask)}
+        # named by form and divergence (`distill/full_reverse_kl`): `distill/reverse_kl` is the sampled estimate
+        metrics = {f"distill/{c.form}_{c.divergence}": masked_mean(div.detach(), mask)}
         if c.reward_weight > 0:
             surrogate, more = super().loss(batch)
             div = div + surrogate

@@ -128,7 +128,7 @@ def test_the_full_form_loss_is_the_divergence_per_response_token_averaged_per_se
     per_token, metrics = algo.distribution_loss(batch(mask), student, teacher)
     kl = 1.25 * ln(2) - 0.25 * ln(3)
     torch.testing.assert_close(per_token, torch.tensor([[kl, kl], [kl, 0.0]]))
-    assert metrics["distill/forward_kl"].item() == pytest.approx(kl)
+    assert metrics["distill/full_forward_kl"].item() == pytest.approx(kl)
 
 
 def test_the_full_form_has_no_kl_advantage_and_trains_every_row():

@@ -164,7 +164,7 @@ def test_the_teacher_distribution_forms_train_the_student_towards_the_teacher(tm
                         generation={"max_new_tokens": 1})
     result = run_rl(ctx)
     assert not SEEN  # the divergence replaces the sampled-token surrogate
-    div = [m[f"distill/{config['divergence']}"] for _, m in log[:-1]]
+    div = [m[f"distill/{config['form']}_{config['divergence']}"] for _, m in log[:-1]]
     assert div[0] > 0.1 and div[-1] < 0.2 * div[0], div  # e.g. jsd 0.32 -> 0.0008, reverse_kl 5.8 -> 0.07
     before, after = first_token_kl(student, teacher), first_token_kl(result.outputs["model"], teacher)
     assert after < 0.2 * before, (before, after)  # 4.6 -> 0.01 to 0.04 measured
@@ -188,4 +188,4 @@ def test_the_teacher_runs_per_micro_batch_without_a_gradient(tmp_path, plugins, 
     run_rl(ctx)
     # 16 rows in micro-batches of 4, each a student forward (with a gradient) then a teacher forward (none)
     assert calls == [(4, True, True), (4, False, False)] * 4
-    assert 0 < log[0][1]["distill/jsd"] < math.log(2)  # JSD(0.5) is at most ln 2
+    assert 0 < log[0][1]["distill/top_k_jsd"] < math.log(2)  # JSD(0.5) is at most ln 2
