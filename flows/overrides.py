@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from alignflow.core.errors import SpecError
+from alignflow.core.spec.stage import plain_copy
 
 TOP_LEVEL = ("name", "description", "seed")
 
@@ -16,7 +17,7 @@ def apply_overrides(raw: dict, sets: list[str]) -> dict:
     # A deep copy the caller's dict never shares, in the file's order (stages listed first get a free stage slot
     # first, and a loop's stages are shown in the order written), and one that shares nothing within itself: YAML
     # aliases (`settings: *rl`) load as one object, and a `--set` on one stage must not reach the others.
-    raw = _unshared(raw)
+    raw = plain_copy(raw)
     for item in sets:
         path, sep, text = item.partition("=")
         keys = path.strip().split(".")
@@ -33,14 +34,6 @@ def apply_overrides(raw: dict, sets: list[str]) -> dict:
             raise SpecError(f"--set {item!r}: no stage {keys[0]!r} (stages: {', '.join(stages)}){hint}")
         _set(stages, keys, value, item)
     return raw
-
-
-def _unshared(node: Any) -> Any:
-    if isinstance(node, dict):
-        return {key: _unshared(value) for key, value in node.items()}
-    if isinstance(node, list):
-        return [_unshared(value) for value in node]
-    return node
 
 
 def _set(node: Any, keys: list[str], value: Any, item: str) -> None:

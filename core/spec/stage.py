@@ -61,7 +61,7 @@ class _Checked:
     def get(self, model: Any, raw: Any, validate) -> Any:
         if self.key is None or self.key[0] is not model or self.key[1] != raw:
             value = validate()  # raises on a bad block: nothing is kept
-            self.key, self.value = (model, _plain_copy(raw)), value
+            self.key, self.value = (model, plain_copy(raw)), value
         return self.value.model_copy(deep=True) if isinstance(self.value, BaseModel) else self.value
 
     def __eq__(self, other) -> bool:
@@ -70,11 +70,12 @@ class _Checked:
     __hash__ = None
 
 
-def _plain_copy(raw: Any) -> Any:
+def plain_copy(raw: Any) -> Any:
+    """A copy of YAML-loaded data (dicts, lists, scalars) that shares no dict or list with `raw` or within itself."""
     if isinstance(raw, dict):
-        return {k: _plain_copy(v) for k, v in raw.items()}
+        return {k: plain_copy(v) for k, v in raw.items()}
     if isinstance(raw, list):
-        return [_plain_copy(v) for v in raw]
+        return [plain_copy(v) for v in raw]
     return raw
 
 
