@@ -16,7 +16,6 @@ import inspect
 import json
 import sqlite3
 import sys
-import threading
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from alignflow.core import pyast
 from alignflow.core.spec.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
@@ -111,15 +111,8 @@ def hash_path(path: Path, cache: HashCache = NO_CACHE) -> str:
 
 
 
-# CPython before 3.11.8 and 3.12.2 keeps one AST-conversion depth per interpreter: two ast.parse calls interleaved
-# across threads (stages planned or digested at once) leave it wrong, and that and every later parse in the process
-# raise "SystemError: AST constructor recursion depth mismatch" (seen in CI on 3.11.7). One parse at a time.
-_PARSE = threading.Lock()
-
-
 def _parse_text(text: str) -> ast.Module:
-    with _PARSE:
-        return ast.parse(text)
+    return pyast.parse(text)  # safe across threads (stages planned or digested at once)
 
 
 def _parse(path: str | None) -> ast.Module | None:

@@ -7,7 +7,7 @@ import ast
 import operator
 from typing import Literal
 
-from alignflow.core import PluginConfig, hookimpl
+from alignflow.core import PluginConfig, hookimpl, pyast
 from alignflow.core.environments import Environment, python
 from alignflow.plugins.math_accuracy import extract_answer, is_equivalent
 
@@ -35,7 +35,7 @@ def calculator(expression: str) -> str:
             raise ValueError(f"the result has more than {MAX_DIGITS} digits")
         return out
 
-    return str(value(ast.parse(expression.strip(), mode="eval").body))
+    return str(value(pyast.parse(expression.strip(), mode="eval").body))  # episodes step in threads
 
 
 TOOLS = {"calculator": calculator, "python": python}

@@ -26,6 +26,7 @@ import importlib
 import operator
 from typing import Any
 
+from alignflow.core import pyast
 from alignflow.core.sandbox.runner import Sandbox, SampleError, SampleTimeout
 
 BIG = 1 << 8192  # ints past this travel as hex: decimal text of more than 4300 digits is refused
@@ -223,7 +224,7 @@ def compare(op: str, left: Any, right: Any) -> bool:
 
 def run_inside(solution: Solution, source: str) -> bool:
     """A test that cannot be split, run in the sandbox with its asserts compared here."""
-    tree = ast.fix_missing_locations(_Asserts().visit(ast.parse(source)))
+    tree = ast.fix_missing_locations(_Asserts().visit(pyast.parse(source)))
     reply = solution.request(op="test", code=ast.unparse(tree))
     checks, passed = 0, True
     while "check" in reply:
