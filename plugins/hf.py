@@ -1,22 +1,32 @@
-"""Sampler on the policy module itself: a KV-cached decode loop in plain transformers forwards.
+"""Sampler on the policy module itself: a KV-cached decode loop, no second engine.
 
 One call decodes every row of a request (up to `max_batch_tokens`), rows that stopped leave the
 batch (their KV cache rows are dropped), and each step's log-prob of the sampled token is taken as
 it is drawn, so no `B x T x vocab` stack of logits is ever held.
+
+Two forwards run the loop. `packed` (`alignflow.core.decoder`): Llama-family models rebuilt for
+decoding (fused projections, a preallocated cache, each prompt prefilled once for its `n` samples),
+in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
+`transformers`: the model's own forward with a `DynamicCache`, for every other model. `engine: auto`
+takes `packed` on a CPU when the model is one it rebuilds.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
+from typing import Literal
 
 import torch
 from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
+from alignflow.core.decoder import PackedDecoder, unsupported
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
 from alignflow.core.spec.settings import GenerationSettings
 
+log = logging.getLogger(__name__)
 COMPACT_AT = 0.25  # drop stopped rows from the batch once they are this share of it
 
 
@@ -24,11 +34,14 @@ class HFSampler(Sampler):
     """Decode loop on transformers forwards (CPU or one GPU); holds the policy module itself, never a copy."""
 
     class Config(PluginConfig):
-        batch_size: int | None = Field(None, ge=1)  # rows (prompts x n) per decode loop; None: by max_batch_tokens
+        batch_size: int | None = Field(None, ge=1)  # rows per decode loop (whole prompts of n); None: by max_batch_tokens
         max_batch_tokens: int = Field(1 << 18, ge=1)  # rows x (longest prompt + max_new_tokens) per loop
         return_logprobs: bool = True
+        engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
+        dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the stage's compute precision
 
     online = True
+    compute_dtype = torch.float32  # the stage sets bf16 when its forwards run under bf16 autocast
 
     def load(self, model, tokenizer) -> None:
         """Bind the policy (an nn.Module, shared with the trainer) and its tokenizer."""
@@ -50,16 +63,16 @@ class HFSampler(Sampler):
     def generate(self, prompt_ids: list[list[int]], n: int, gen: GenerationSettings, seed: int) -> Generation:
         """`n` completions per prompt; log-probs are of the temperature-scaled distribution."""
         start = time.perf_counter()
-        rows = [ids for ids in prompt_ids for _ in range(n)]
         index = [i for i in range(len(prompt_ids)) for _ in range(n)]
         was_training = self.model.training
         self.model.eval()
         generator = torch.Generator(self.model.device).manual_seed(seed)
         completions, truncated, logprobs = [], [], []
-        step = self.rows_per_call(rows, gen)
+        step = max(1, self.rows_per_call([ids for ids in prompt_ids], gen) // n)  # prompts per call
+        packed = self.packed()
         try:
-            for lo in range(0, len(rows), step):
-                c, t, lp = self.decode(rows[lo: lo + step], gen, generator)
+            for lo in range(0, len(prompt_ids), step):
+                c, t, lp = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed)
                 completions += c
                 truncated += t
                 logprobs += lp
@@ -70,25 +83,40 @@ class HFSampler(Sampler):
                           logprobs if self.config.return_logprobs else None,
                           {"generate_s": time.perf_counter() - start})
 
-    def decode(self, rows: list[list[int]], gen: GenerationSettings, generator: torch.Generator):
-        """Prefill the left-padded prompts, then one forward per new token for the rows still running."""
-        from transformers import DynamicCache
+    def packed(self) -> PackedDecoder | None:
+        """The policy's current weights rebuilt for decoding, or None where transformers' forward runs."""
+        c = self.config
+        if c.engine == "transformers" or (c.engine == "auto" and self.model.device.type != "cpu"):
+            return None
+        why = unsupported(self.model)
+        if why is not None:
+            if c.engine == "packed":
+                raise ValueError(f"sampler hf: engine packed cannot run this model: {why}")
+            if not getattr(self, "_said", False):
+                log.info("hf sampler: transformers' forward decodes (%s)", why)
+                self._said = True
+            return None
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(c.dtype, self.compute_dtype)
+        return PackedDecoder(self.model, dtype)
 
+    def decode(self, prompts: list[list[int]], n: int, gen: GenerationSettings, generator: torch.Generator,
+               packed: PackedDecoder | None = None):
+        """Prefill the left-padded prompts, then one forward per new token for the rows still running."""
         device = self.model.device
+        rows = prompts if packed is not None else [ids for ids in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
-        B, T = len(rows), gen.max_new_tokens
+        B, T = len(prompts) * n, gen.max_new_tokens
         tokens = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
         chosen_lp = torch.zeros(B, T, dtype=torch.float32, device=device)
         stops = torch.tensor(sorted(self.stop_ids), device=device)
         here = torch.arange(B, device=device)  # batch row -> request row
         running = torch.ones(B, dtype=torch.bool, device=device)  # batch rows that have not stopped
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        kv = {cache_argument(self.model): cache}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                            logits_to_keep=1, **kv).logits[:, -1]
-        next_pos = positions[:, -1:] + 1
+        if packed is not None:
+            logits = packed.start(ids, mask, n, ids.shape[1] + T)
+            forward, keep = packed.step, packed.keep
+        else:
+            logits, forward, keep = self.transformers_loop(ids, mask)
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)
             tokens[here[running], t] = token[running]
@@ -98,16 +126,37 @@ class HFSampler(Sampler):
             if alive == 0 or t == T - 1:
                 break
             if alive <= len(here) * (1 - COMPACT_AT):
-                keep = running.nonzero().flatten()
-                cache.batch_select_indices(keep)
-                here, running, token, mask, next_pos = here[keep], running[keep], token[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, mask.new_ones(len(here), 1)], 1)
-            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=next_pos, use_cache=True,
-                                **kv).logits[:, -1]
-            next_pos = next_pos + 1
+                rows_left = running.nonzero().flatten()
+                keep(rows_left)
+                here, running, token = here[rows_left], running[rows_left], token[rows_left]
+            logits = forward(token)
         completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
         chosen_lp = chosen_lp.cpu()
         return completions, truncated, [chosen_lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+
+    def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
+        """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        kv = {cache_argument(self.model): cache}
+        state = {"mask": mask, "pos": (mask.cumsum(-1) - 1).clamp(min=0)}
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=state["pos"], use_cache=True,
+                            logits_to_keep=1, **kv).logits[:, -1]
+        state["pos"] = state["pos"][:, -1:] + 1
+
+        def step(token: torch.Tensor) -> torch.Tensor:
+            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(len(token), 1)], 1)
+            out = self.model(input_ids=token[:, None], attention_mask=state["mask"], position_ids=state["pos"],
+                             use_cache=True, **kv).logits[:, -1]
+            state["pos"] = state["pos"] + 1
+            return out
+
+        def keep(rows: torch.Tensor) -> None:
+            cache.batch_select_indices(rows)
+            state["mask"], state["pos"] = state["mask"][rows], state["pos"][rows]
+
+        return logits, step, keep
 
     @staticmethod
     def pick(logits: torch.Tensor, gen: GenerationSettings, generator: torch.Generator):

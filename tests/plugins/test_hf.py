@@ -21,6 +21,9 @@ def policy():
     return Qwen2ForCausalLM(cfg).eval(), tok
 
 
+ENGINES = pytest.mark.parametrize("engine", ["packed", "transformers"])
+
+
 def sampler(policy, **cfg):
     model, tok = policy
     s = HFSampler(HFSampler.Config(**cfg))
@@ -46,8 +49,9 @@ def test_shapes_grouping_and_lengths(policy):
     assert [len(lp) for lp in gen.logprobs] == gen.lengths
 
 
-def test_same_seed_same_samples_and_rng_untouched(policy):
-    s = sampler(policy)
+@ENGINES
+def test_same_seed_same_samples_and_rng_untouched(policy, engine):
+    s = sampler(policy, engine=engine)
     prompts = [policy[1].encode("12+3=")]
     gen = GenerationSettings(max_new_tokens=8, temperature=1.0)
     torch.manual_seed(123)
@@ -60,10 +64,11 @@ def test_same_seed_same_samples_and_rng_untouched(policy):
     assert torch.equal(before, after)  # sampling does not consume the caller's random stream
 
 
-def test_logprobs_match_a_teacher_forced_forward(policy):
+@ENGINES
+def test_logprobs_match_a_teacher_forced_forward(policy, engine):
     """Sampling log-probs equal log-softmax(logits / T) of a plain forward pass over prompt + completion."""
     model, tok = policy
-    s = sampler(policy, batch_size=8)
+    s = sampler(policy, engine=engine, batch_size=8)
     prompts = [tok.encode("9-4="), tok.encode("123+45=")]  # different lengths: left padding matters
     temperature = 0.7
     gen = s.generate(prompts, 2, GenerationSettings(max_new_tokens=5, temperature=temperature), seed=3)
@@ -76,12 +81,13 @@ def test_logprobs_match_a_teacher_forced_forward(policy):
         assert torch.allclose(torch.tensor(gen.logprobs[i]), expected, atol=1e-4)
 
 
-def test_greedy_is_independent_of_batching(policy):
+@ENGINES
+def test_greedy_is_independent_of_batching(policy, engine):
     model, tok = policy
     prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=")]
     greedy = GenerationSettings(max_new_tokens=6, temperature=0.0)
-    one = sampler(policy, batch_size=1).generate(prompts, 1, greedy, seed=0)
-    many = sampler(policy, batch_size=3).generate(prompts, 1, greedy, seed=0)
+    one = sampler(policy, engine=engine, batch_size=1).generate(prompts, 1, greedy, seed=0)
+    many = sampler(policy, engine=engine, batch_size=3).generate(prompts, 1, greedy, seed=0)
     assert one.completion_ids == many.completion_ids
 
 
@@ -92,12 +98,13 @@ def test_update_weights_shares_the_module(policy):
     assert s.model is model
 
 
-def test_chunked_generation_concatenates_in_prompt_order(policy):
+@ENGINES
+def test_chunked_generation_concatenates_in_prompt_order(policy, engine):
     """Generating prompt chunks and joining them keeps each completion with its prompt."""
     from alignflow.core.sampling import Generation
 
     model, tok = policy
-    s = sampler(policy)
+    s = sampler(policy, engine=engine)
     prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=")]
     greedy = GenerationSettings(max_new_tokens=5, temperature=0.0)
     whole = s.generate(prompts, 2, greedy, seed=0)
@@ -108,11 +115,12 @@ def test_chunked_generation_concatenates_in_prompt_order(policy):
     assert [len(lp) for lp in joined.logprobs] == joined.lengths
 
 
-def test_greedy_matches_transformers_generate(policy):
+@ENGINES
+def test_greedy_matches_transformers_generate(policy, engine):
     """The decode loop's greedy tokens and log-probs are transformers' `generate` ones (left padding included)."""
     model, tok = policy
     prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=")]
-    gen = sampler(policy).generate(prompts, 1, GenerationSettings(max_new_tokens=7, temperature=0.0), seed=0)
+    gen = sampler(policy, engine=engine).generate(prompts, 1, GenerationSettings(max_new_tokens=7, temperature=0.0), seed=0)
     ids, mask = left_pad(prompts, tok.pad_token_id)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -124,21 +132,24 @@ def test_greedy_matches_transformers_generate(policy):
         torch.testing.assert_close(torch.tensor(gen.logprobs[i]), logp[i, torch.arange(len(c)), c], atol=1e-5, rtol=0)
 
 
-def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkeypatch):
+@ENGINES
+def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkeypatch, engine):
     """With many stop tokens rows end at different steps; dropping them from the batch (and their KV rows)
     keeps every other row's log-probs those of a teacher-forced forward."""
     import alignflow.plugins.hf as hf
 
     model, tok = policy
-    s = sampler(policy)
+    s = sampler(policy, engine=engine)
     s.stop_ids = set(range(0, len(tok), 3))  # a third of the vocabulary stops a row
     monkeypatch.setattr(hf, "COMPACT_AT", 0.01)  # drop stopped rows at every step
     from transformers import DynamicCache
 
+    from alignflow.core.decoder import PackedDecoder
+
     kept = []
-    select = DynamicCache.batch_select_indices
-    monkeypatch.setattr(DynamicCache, "batch_select_indices",
-                        lambda cache, idx: kept.append(len(idx)) or select(cache, idx))
+    cls, name = (PackedDecoder, "keep") if engine == "packed" else (DynamicCache, "batch_select_indices")
+    select = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda cache, idx: kept.append(len(idx)) or select(cache, idx))
     prompts = [tok.encode("12+3="), tok.encode("987-654=")]
     gen = s.generate(prompts, 6, GenerationSettings(max_new_tokens=12, temperature=1.0), seed=5)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 12  # the batch did shrink
@@ -153,11 +164,12 @@ def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkey
         torch.testing.assert_close(torch.tensor(gen.logprobs[i]), expected, atol=1e-4, rtol=0)
 
 
-def test_top_p_keeps_the_nucleus(policy):
+@ENGINES
+def test_top_p_keeps_the_nucleus(policy, engine):
     """top_p small enough leaves only the most likely token: sampling then is greedy decoding."""
     _, tok = policy
     prompts = [tok.encode("1+1="), tok.encode("250*3=")]
-    s = sampler(policy)
+    s = sampler(policy, engine=engine)
     greedy = s.generate(prompts, 1, GenerationSettings(max_new_tokens=6, temperature=0.0), seed=0)
     nucleus = s.generate(prompts, 3, GenerationSettings(max_new_tokens=6, temperature=1.0, top_p=1e-6), seed=1)
     assert nucleus.completion_ids == [c for c in greedy.completion_ids for _ in range(3)]
@@ -173,8 +185,9 @@ def test_sampling_follows_the_distribution():
 
 
 def test_one_decode_loop_per_token_budget(policy, monkeypatch):
-    """By default all rows go through one decode loop; `max_batch_tokens` splits them when the rows x
-    (prompt + max_new_tokens) budget is smaller, and `batch_size` fixes the rows per loop."""
+    """By default all prompts go through one decode loop; `max_batch_tokens` splits them when the rows x
+    (prompt + max_new_tokens) budget is smaller, and `batch_size` caps the rows per loop (whole prompts, at
+    least one: a prompt's `n` rows share its prefill)."""
     _, tok = policy
     prompts = [tok.encode(p) for p in ("1+1=", "250*3=", "77-8=", "5*5=")]
     gen = GenerationSettings(max_new_tokens=4, temperature=1.0)
@@ -183,10 +196,10 @@ def test_one_decode_loop_per_token_budget(policy, monkeypatch):
         s = sampler(policy, **cfg)
         calls = []
         real = s.decode
-        monkeypatch.setattr(s, "decode", lambda rows, *a: calls.append(len(rows)) or real(rows, *a))
+        monkeypatch.setattr(s, "decode", lambda prompts, *a: calls.append(len(prompts)) or real(prompts, *a))
         s.generate(prompts, 4, gen, seed=0)
         return calls
 
-    assert loops() == [16]
-    assert loops(max_batch_tokens=10 * 8) == [8, 8]  # width 6 + 4 = 10 tokens a row
-    assert loops(batch_size=5) == [5, 5, 5, 1]
+    assert loops() == [4]
+    assert loops(max_batch_tokens=10 * 8) == [2, 2]  # width 6 + 4 = 10 tokens a row: 8 rows, 2 prompts of 4
+    assert loops(batch_size=5) == [1, 1, 1, 1]

@@ -1,0 +1,195 @@
+"""A decode-only rebuild of Llama-family models (Llama, Mistral, Qwen2, Qwen3) for fast sampling.
+
+At the shapes RL decodes on a CPU (a few hundred rows, one new token each, hidden sizes in the
+hundreds) a step of transformers' forward spends more time in per-op overhead (mask building, a
+cache that grows by `torch.cat`, three projections where one would do) than in its matmuls. This
+module keeps the same arithmetic with fewer, larger ops:
+
+- the q/k/v projections fused into one matmul, and gate/up into one;
+- a preallocated KV cache per layer, written in place (no growing tensors), rows dropped by index;
+- rotary tables computed once per call; attention of the one new token as two batched matmuls over
+  the cache's filled width, grouped-query heads without repeating the cache;
+- each prompt prefilled once and its cache shared by its `n` samples;
+- weights in the decode dtype (fp32, or bf16 where the trainer computes in bf16: the copy is
+  taken at every `pack`, so it always holds the trainer's current weights).
+
+The logits equal transformers' up to float rounding (tests check both paths on every supported
+architecture). Anything else (adapters, sliding windows, scaled rotary embeddings, partitioned
+ZeRO-3 weights) is refused by `unsupported`, and the caller uses transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported(model) -> str | None:
+    """Why `model` cannot be packed (None if it can)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in ARCHITECTURES:
+        return f"model_type {kind!r} is not one of {ARCHITECTURES}"
+    if hasattr(model, "get_base_model") or hasattr(model, "peft_config"):
+        return "adapters (peft) are applied on the fly"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
+            and kind != "llama":
+        return "sliding-window attention"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"rope_type {rope.get('rope_type')!r} (only the default rotary embedding is rebuilt)"
+    if getattr(config, "mlp_bias", False):
+        return "biases in the MLP"
+    if any(p.numel() == 0 for p in model.parameters()):
+        return "partitioned (ZeRO-3) weights"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r}"
+    return None
+
+
+def rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class Layer:
+    """One decoder layer's weights, fused, in the decode dtype."""
+
+    def __init__(self, layer, dtype: torch.dtype):
+        a, m = layer.self_attn, layer.mlp
+        cast = lambda t: None if t is None else t.detach().to(dtype).contiguous()  # noqa: E731
+        bias = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+        self.qkv = cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).T)
+        self.qkv_bias = None if bias[0] is None else cast(torch.cat(bias))
+        self.o = cast(a.o_proj.weight.T)
+        self.o_bias = cast(a.o_proj.bias)
+        self.gate_up = cast(torch.cat([m.gate_proj.weight, m.up_proj.weight]).T)
+        self.down = cast(m.down_proj.weight.T)
+        self.norm1 = layer.input_layernorm.weight.detach().float()
+        self.norm2 = layer.post_attention_layernorm.weight.detach().float()
+        self.q_norm = getattr(a, "q_norm", None)
+        self.k_norm = getattr(a, "k_norm", None)
+        if self.q_norm is not None:
+            self.q_norm, self.k_norm = self.q_norm.weight.detach().float(), self.k_norm.weight.detach().float()
+
+
+class PackedDecoder:
+    """Prefill and one-token steps of a Llama-family model on a preallocated KV cache.
+
+    `start(prompts, n, width)` prefills each prompt once and gives every one of its `n` rows the
+    prompt's cache; `step(tokens)` appends one token per running row and returns next-token logits;
+    `keep(rows)` drops the rows that stopped.
+    """
+
+    def __init__(self, model, dtype: torch.dtype = torch.float32):
+        c = model.config
+        self.dtype, self.eps = dtype, c.rms_norm_eps
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        base = model.model
+        self.embed = base.embed_tokens.weight.detach().to(dtype)
+        self.layers = [Layer(layer, dtype) for layer in base.layers]
+        self.norm = base.norm.weight.detach().float()
+        self.lm_head = model.lm_head.weight.detach().to(dtype).T.contiguous()
+        self.lm_bias = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(dtype)
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.inv_freq = 1.0 / rope_theta(c) ** half
+        self.device = self.embed.device
+
+    def rms(self, x: Tensor, weight: Tensor) -> Tensor:
+        """RMSNorm in fp32, as transformers computes it, back in the decode dtype."""
+        return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(self.dtype)
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., 1, head_dim] for `positions` [...] (broadcast over heads)."""
+        angles = positions.float()[..., None] * self.inv_freq
+        angles = torch.cat([angles, angles], -1)[..., None, :]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+    def project(self, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, H] -> q [B, T, heads, D], k, v [B, T, kv_heads, D], q and k rotated."""
+        qkv = x @ layer.qkv if layer.qkv_bias is None else torch.addmm(
+            layer.qkv_bias, x.flatten(0, 1), layer.qkv).view(*x.shape[:2], -1)
+        D, h = self.head_dim, self.heads
+        qk, v = qkv.unflatten(-1, (-1, D)).split([h + self.kv_heads, self.kv_heads], -2)
+        if layer.q_norm is not None:
+            qk = torch.cat([self.rms(qk[..., :h, :], layer.q_norm), self.rms(qk[..., h:, :], layer.k_norm)], -2)
+        qk = self.rotate(qk, cos, sin)  # q and k heads in one go
+        return qk[..., :h, :], qk[..., h:, :], v
+
+    def mlp(self, layer: Layer, x: Tensor) -> Tensor:
+        gate, up = (self.rms(x, layer.norm2) @ layer.gate_up).chunk(2, -1)
+        return x + (F.silu(gate) * up) @ layer.down
+
+    def out(self, layer: Layer, x: Tensor, attn: Tensor) -> Tensor:
+        o = attn @ layer.o
+        return x + (o if layer.o_bias is None else o + layer.o_bias)
+
+    def logits(self, x: Tensor) -> Tensor:
+        h = self.rms(x, self.norm) @ self.lm_head
+        return (h if self.lm_bias is None else h + self.lm_bias).float()
+
+    @torch.no_grad()
+    def start(self, ids: Tensor, mask: Tensor, n: int, width: int) -> Tensor:
+        """Prefill left-padded prompts `ids`/`mask` [P, T0]; rows p*n..p*n+n-1 share prompt p's cache, which
+        has room for `width` tokens in all. Returns the next-token logits [P*n, vocab]."""
+        P, T0 = ids.shape
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self.rotary(positions)
+        # padding bias over the cache: pads of the prompt are never attended; later slots are filled in order
+        self.bias = torch.zeros(P, width, device=self.device)
+        self.bias[:, :T0].masked_fill_(mask == 0, float("-inf"))
+        causal = torch.ones(T0, T0, dtype=torch.bool, device=self.device).tril()
+        allowed = causal & (mask[:, None, :] == 1)
+        allowed |= torch.eye(T0, dtype=torch.bool, device=self.device)  # a pad row attends to itself: no NaN
+        x = F.embedding(ids, self.embed)
+        self.k, self.v = [], []
+        for layer in self.layers:
+            q, k, v = self.project(layer, self.rms(x, layer.norm1), cos, sin)
+            cache_k = k.new_zeros(P, self.kv_heads, width, self.head_dim, dtype=torch.float32)
+            cache_v = v.new_zeros(P, self.kv_heads, width, self.head_dim, dtype=torch.float32)
+            cache_k[:, :, :T0], cache_v[:, :, :T0] = k.transpose(1, 2), v.transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q.transpose(1, 2).float(), cache_k[:, :, :T0], cache_v[:, :, :T0],
+                                                  attn_mask=allowed[:, None], enable_gqa=True)
+            x = self.mlp(layer, self.out(layer, x, attn.transpose(1, 2).flatten(-2).to(self.dtype)))
+            self.k.append(cache_k.repeat_interleave(n, 0))
+            self.v.append(cache_v.repeat_interleave(n, 0))
+        self.bias = self.bias.repeat_interleave(n, 0)
+        self.positions = positions[:, -1].repeat_interleave(n, 0) + 1
+        self.filled = T0
+        return self.logits(x[:, -1]).repeat_interleave(n, 0)
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor) -> Tensor:
+        """Append one token per running row; the logits of the token after it [B, vocab]."""
+        t, D, g = self.filled, self.head_dim, self.heads // self.kv_heads
+        cos, sin = self.rotary(self.positions[:, None])
+        x = F.embedding(tokens[:, None], self.embed)
+        bias = self.bias[:, None, None, : t + 1]
+        B = len(tokens)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.project(layer, self.rms(x, layer.norm1), cos, sin)
+            self.k[i][:, :, t] = k[:, 0]
+            self.v[i][:, :, t] = v[:, 0]
+            keys, values = self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1]  # [B, kv, t+1, D]
+            q = q.view(B, self.kv_heads, g, D).float()  # the g query heads that share each kv head
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * D ** -0.5 + bias
+            attn = torch.matmul(scores.softmax(-1), values)  # [B, kv, g, D]
+            x = self.mlp(layer, self.out(layer, x, attn.reshape(B, 1, -1).to(self.dtype)))
+        self.positions = self.positions + 1
+        self.filled = t + 1
+        return self.logits(x[:, 0])
+
+    def keep(self, rows: Tensor) -> None:
+        """Keep only batch rows `rows` (the others stopped)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.bias, self.positions = self.bias.index_select(0, rows), self.positions.index_select(0, rows)
