@@ -1,7 +1,8 @@
-"""The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS.
+"""The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS, GFLOP/s.
 
     python benchmarks/vs_trl.py --trl-python ../venv-trl/bin/python [--size tiny|8m] [--model PATH]
         [--sft-steps 1000] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N] [--overlap] [--out F.json]
+        [--precision auto|fp32|bf16-mixed|bf16] [--trl-precision fp32|bf16 | --trl-best]
 
 TRL lives in an environment of its own, next to alignflow (its trainer needs `accelerate` and `datasets`):
 
@@ -20,6 +21,10 @@ on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end
 compare against `--trl-threads` of the two together for the same cores).
 Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process `--warmup` steps
 (excluded) and then `--steps` measured steps. Ratios are alignflow / TRL, per pair, then the median.
+`machine` says what it ran on; `bound` is torch.mm's GFLOP/s at each phase's matmul shapes, measured in a child
+process of each side's threads before the pairs, and each side's `gflops_per_s` / `share_of_bound` the model
+FLOPs of the work over the phase's time (benchmarks/machine.py). `--trl-best` first times TRL in fp32 and in bf16
+(one process each, 1 warm-up step and 1 measured) and runs the pairs with the faster.
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from machine import achieved, dims, machine, measure_bound
+
 SIZES = {"tiny": {}, "8m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                                 num_key_value_heads=4, max_position_embeddings=256)}
 SHAPE = dict(prompts=16, group_size=8, micro_batch=32, accumulation=4, max_new_tokens=48, lr=1e-4)
+UPDATE_LENGTH = 40  # tokens per row for the update's bound (prompt + completion: ~33 on the tiny model)
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
 PARTS = ("generate", "score", "train", "step")
 
 
@@ -54,7 +63,10 @@ def alignflow_side(args) -> list[dict]:
                    micro_batch_size=SHAPE["micro_batch"], lr=SHAPE["lr"], lr_scheduler="constant",
                    max_steps=args.warmup + args.steps, save_every=10**6, log_every=10**6,
                    generation={"max_new_tokens": SHAPE["max_new_tokens"], "temperature": 1.0},
-                   overlap_rollouts=args.overlap, overlap_threads=args.threads)
+                   overlap_rollouts=args.overlap, overlap_threads=args.threads,
+                   **({"precision": args.precision} if args.precision and "precision" in RLSettings.model_fields
+                      else {}))
+    args.ran_precision = getattr(s, "precision", s.dtype)  # without the field (yet): `dtype`, fp32 here
     spec = StageSpec(kind="rl", inputs={"model": args.model, "dataset": args.dataset}, rewards=["math_accuracy"],
                      algorithm={"name": "grpo", "config": {"kl_loss_coef": 0.0}}, sampler=args.sampler)
     ctx = StageContext("bench", spec, s, {"model": Path(args.model), "dataset": Path(args.dataset)},
@@ -87,7 +99,8 @@ def trl_side(args) -> list[dict]:
 
     def reward(prompts, completions, answer, completion_ids=None, **_):
         scores = [float(v or 0.0) for v in math_accuracy(prompts, completions, answer)]
-        steps[-1].update(tokens=float(sum(map(len, completion_ids))), accuracy=sum(s >= 1 for s in scores) / len(scores))
+        steps[-1].update(tokens=float(sum(map(len, completion_ids))),
+                         accuracy=sum(s >= 1 for s in scores) / len(scores))
         return scores
 
     class Clock(TrainerCallback):
@@ -106,7 +119,8 @@ def trl_side(args) -> list[dict]:
         learning_rate=SHAPE["lr"], lr_scheduler_type="constant", max_steps=args.warmup + args.steps, num_iterations=1,
         shuffle_dataset=False, use_cpu=True, report_to=[], save_strategy="no", logging_steps=10**6, seed=0,
         disable_dropout=True, dataloader_num_workers=0,
-        bf16=False, gradient_checkpointing=False,  # TRL's GPU defaults; the `rl` stage trains in fp32 without either
+        # TRL's GPU defaults are bf16 (autocast on the CPU) and gradient checkpointing; the `rl` stage has none
+        bf16=args.trl_precision == "bf16", gradient_checkpointing=False,
     )
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model), reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(args.model),
@@ -135,10 +149,12 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    args.ran_precision = args.trl_precision
     steps = alignflow_side(args) if args.child == "alignflow" else trl_side(args)
     peak = {who: resource.getrusage(getattr(resource, f"RUSAGE_{who.upper()}")).ru_maxrss / 1024
             for who in ("self", "children")}  # children: the largest child process (the rollout worker among them)
-    Path(args.result).write_text(json.dumps({"steps": steps, "peak_rss_mb": peak["self"],
+    Path(args.result).write_text(json.dumps({"steps": steps, "precision": args.ran_precision,
+                                             "peak_rss_mb": peak["self"],
                                              "children_peak_rss_mb": peak["children"]}))
 
 
@@ -172,7 +188,7 @@ def stage_prompts(args, path: Path) -> None:
     from alignflow.flows.stages.rl.rollout import round_prompts
 
     rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
-    drawn = [rows[i] for step in range(args.warmup + args.steps)
+    drawn = [rows[i] for step in range(max(args.warmup + args.steps, 2))  # 2: --trl-best's probe
              for i in round_prompts(step, 0, len(rows), SHAPE["prompts"], 0)]
     path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in drawn))
 
@@ -213,6 +229,12 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, help="TRL's threads (default: --threads)")
     parser.add_argument("--overlap", action="store_true",
                         help="the rl stage with overlap_rollouts: a rollout worker of --threads threads besides")
+    parser.add_argument("--precision", choices=PRECISIONS, help="the rl stage's `precision` setting, where "
+                        "RLSettings has that field (without it the stage runs its `dtype`, fp32)")
+    parser.add_argument("--trl-precision", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: GRPOConfig(bf16=True), autocast on the CPU")
+    parser.add_argument("--trl-best", action="store_true",
+                        help="time TRL in fp32 and bf16 first (1 warm-up + 1 step each) and use the faster")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -234,39 +256,118 @@ def main() -> None:
 def measure(args, tmp: Path) -> dict:
     # Taken before the SFT stage's process group sets MASTER_PORT, which the children must not inherit.
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    info = machine(args.trl_python)
     model = prepare_model(args, tmp)
     prompts = tmp / "prompts.jsonl"
     stage_prompts(args, prompts)
+    from transformers import AutoConfig
+
+    d = dims(AutoConfig.from_pretrained(model))
+    bounds = side_bounds(args, model, d, env, info["trl_env"].get("torch"))
+    probe = trl_probe(args, model, prompts, tmp, env) if args.trl_best else None
     runs: dict[str, list[dict]] = {"alignflow": [], "trl": []}
     for pair in range(args.pairs):
-        for side, python, threads in (("alignflow", sys.executable, args.threads),
-                                      ("trl", args.trl_python, args.trl_threads or args.threads)):
-            work = tmp / f"{side}{pair}"
-            result = tmp / f"{side}{pair}.json"
-            cmd = [python, __file__, "--child", side, "--model", str(model), "--dataset", args.dataset,
-                   "--sampler", args.sampler, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--threads", str(threads),
-                   "--work", str(work), "--prompts", str(prompts), "--result", str(result)]
-            cmd += ["--overlap"] if args.overlap else []
-            done = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": str(threads)}, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)
-            if done.returncode:
-                sys.exit(f"{side} run {pair} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-            runs[side].append(json.loads(result.read_text()))
-            print(f"pair {pair} {side}: {[round(s['step'], 2) for s in runs[side][-1]['steps']]} s/step",
-                  file=sys.stderr)
+        for side in runs:
+            runs[side].append(run_side(args, side, model, prompts, tmp / f"{side}{pair}", env, args.warmup,
+                                       args.steps, args.trl_precision, f"pair {pair} {side}"))
+    if args.precision and runs["alignflow"][0]["precision"] != args.precision:
+        print(f"--precision {args.precision} not applied: RLSettings has no `precision` field; the stage ran "
+              f"{runs['alignflow'][0]['precision']}", file=sys.stderr)
+    prompt_tokens = step_prompt_tokens(model, prompts)
+    for run in runs["alignflow"] + runs["trl"]:
+        for i, s in enumerate(run["steps"]):
+            s["prompt_tokens"] = prompt_tokens[i]
     from alignflow.core.train.models import load_model
 
     ratios = [pair_ratio(a, b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
-    return {"config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
-                       "parameters": sum(p.numel() for p in load_model(model).parameters()),
+    info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return {"machine": info,
+            "config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
+                       "parameters": sum(p.numel() for p in load_model(model).parameters()), "dims": d,
                        "sampler": args.sampler, "threads": args.threads, "overlap_rollouts": args.overlap,
-                       "trl_threads": args.trl_threads or args.threads, "pairs": args.pairs,
-                       "steps_per_process": args.steps, "warmup_steps": args.warmup, **SHAPE},
-            "alignflow": side_summary(runs["alignflow"], args.warmup), "trl": side_summary(runs["trl"], args.warmup),
+                       "trl_threads": trl_threads(args), "pairs": args.pairs,
+                       "steps_per_process": args.steps, "warmup_steps": args.warmup, **SHAPE,
+                       "precision": runs["alignflow"][0]["precision"], "precision_requested": args.precision,
+                       "trl_precision": args.trl_precision, "trl_best": probe},
+            "bound": bounds,
+            **{side: {**side_summary(runs[side], args.warmup), **flops_summary(runs[side], args.warmup, d,
+                                                                                 bounds[side])} for side in runs},
             "completions_per_s_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                         "pairs": [round(r, 3) for r in ratios]}}
 
+
+def trl_threads(args) -> int:
+    return args.trl_threads or args.threads
+
+
+def run_side(args, side: str, model: Path, prompts: Path, work: Path, env: dict, warmup: int, steps: int,
+             trl_precision: str, label: str) -> dict:
+    """One process of one side: its result file's steps, precision and peak RSS."""
+    python, threads = (sys.executable, args.threads) if side == "alignflow" else (args.trl_python, trl_threads(args))
+    result = work.with_suffix(".json")
+    cmd = [python, __file__, "--child", side, "--model", str(model), "--dataset", args.dataset,
+           "--sampler", args.sampler, "--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads),
+           "--trl-precision", trl_precision,
+           "--work", str(work), "--prompts", str(prompts), "--result", str(result)]
+    cmd += ["--overlap"] if args.overlap else []
+    cmd += ["--precision", args.precision] if args.precision else []
+    done = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": str(threads)}, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"{label} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    out = json.loads(result.read_text())
+    print(f"{label}: {[round(s['step'], 2) for s in out['steps']]} s/step", file=sys.stderr)
+    return out
+
+
+def trl_probe(args, model: Path, prompts: Path, tmp: Path, env: dict) -> dict:
+    """TRL's measured step in fp32 and in bf16 (one process each, 1 warm-up step); the faster becomes
+    `--trl-precision`."""
+    step_s = {}
+    for precision in ("fp32", "bf16"):
+        run = run_side(args, "trl", model, prompts, tmp / f"probe-{precision}", env, 1, 1, precision,
+                       f"probe trl {precision}")
+        step_s[precision] = round(run["steps"][-1]["step"], 3)
+    args.trl_precision = min(step_s, key=step_s.get)
+    return {"step_s": step_s, "chosen": args.trl_precision}
+
+
+def side_bounds(args, model: Path, d: dict, env: dict, trl_torch: str | None) -> dict[str, dict]:
+    """The matmul bound for each side's python and threads, measured once where the two are alike."""
+    rows = {"generate": SHAPE["prompts"] * SHAPE["group_size"], "update": SHAPE["micro_batch"] * UPDATE_LENGTH}
+    ours = measure_bound(sys.executable, model, args.threads, rows, env)
+    from alignflow.core.fingerprint import library_versions
+
+    if trl_threads(args) == args.threads and trl_torch == library_versions()["torch"]:
+        return {"alignflow": ours, "trl": ours}
+    return {"alignflow": ours, "trl": measure_bound(args.trl_python, model, trl_threads(args), rows, env)}
+
+
+def step_prompt_tokens(model: Path, prompts: Path) -> list[int]:
+    """Prompt tokens of each step's completions (a prompt once per completion: each row prefills its own
+    copy), tokenised as the `rl` stage does; both sides draw the same prompts."""
+    from alignflow.core.train.models import load_tokenizer
+    from alignflow.flows.stages.scoring import prompt_ids
+
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    lengths = [len(ids) for ids in prompt_ids(load_tokenizer(model), rows)]
+    n = SHAPE["prompts"]
+    return [SHAPE["group_size"] * sum(lengths[i:i + n]) for i in range(0, len(lengths), n)]
+
+
+def flops_summary(runs: list[dict], warmup: int, d: dict, bound: dict) -> dict:
+    """Median achieved GFLOP/s per phase over the measured steps, and its share of the bound at the side's
+    precision (`auto`: the higher of the two bounds)."""
+    rates = [achieved(d, s, SHAPE["prompts"] * SHAPE["group_size"]) for r in runs for s in r["steps"][warmup:]]
+    precision = runs[0]["precision"]
+    out: dict = {"precision": precision, "gflops_per_s": {}, "share_of_bound": {}}
+    for phase in ("generate", "update"):
+        key = max(("fp32", "bf16"), key=lambda k: bound[phase][k]) if precision == "auto" else \
+            "fp32" if precision == "fp32" else "bf16"
+        rate = statistics.median(r[phase] for r in rates)
+        out["gflops_per_s"][phase] = round(rate, 2)
+        out["share_of_bound"][phase] = round(rate / bound[phase][key], 3)
+    return out
 
 if __name__ == "__main__":
     main()
