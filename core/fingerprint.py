@@ -18,6 +18,9 @@ COMPUTE_LIBRARIES = {"torch": ("torch",), "transformers": ("transformers",), "de
 # /proc/cpuinfo flags that change which kernels run (x86 `flags`, Arm `Features`)
 BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 CPUINFO = Path("/proc/cpuinfo")
+# entries that measure the run rather than describe its environment (the auto-precision probe's timings):
+# recorded, never compared (`differences`, flows/reproduce.py)
+MEASURED = ("precision_probe_s",)
 NVIDIA_PROC = Path("/proc/driver/nvidia")
 
 
@@ -102,21 +105,32 @@ def gpu() -> dict:
 
 def fingerprint(settings=None, plugins: dict[str, str | None] | None = None, threads: int | None = None) -> dict:
     """This process's environment: versions (`plugins`: {distribution: version} a stage uses), CPU, GPU, the
-    torch threads (`threads`, else this process's) and the precision (`settings.dtype`, None without one)."""
+    torch threads (`threads`, else this process's) and the precision: `precision_setting` (`settings.precision`,
+    None without one) and `precision`, the one trained in: the setting itself, or None for `auto`, which the
+    stage's run resolves and reports (`StageResult.fingerprint`, with `precision_probe_s`)."""
     import torch
 
+    setting = getattr(settings, "precision", None)
     return {"python": platform.python_version(), **library_versions(),
             "plugins": dict(sorted((plugins or {}).items())),
             **cpu(), **gpu(),
             "torch_threads": torch.get_num_threads() if threads is None else threads,
-            "precision": getattr(settings, "dtype", None)}
+            "precision": None if setting == "auto" else setting, "precision_setting": setting,
+            "precision_probe_s": None}
 
 
 def differences(recorded: dict, now: dict) -> dict[str, tuple]:
-    """{key: (recorded, now)} for every entry that differs (a plugin's as `plugins.<distribution>`)."""
+    """{key: (recorded, now)} for every entry that differs (a plugin's as `plugins.<distribution>`), but the
+    `MEASURED` ones."""
     def flat(fp: dict) -> dict:
         out = {k: v for k, v in fp.items() if k != "plugins"}
         return {**out, **{f"plugins.{d}": v for d, v in (fp.get("plugins") or {}).items()}}
 
     a, b = flat(recorded), flat(now)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k) and not measured(k)}
+
+
+def measured(key: str) -> bool:
+    """Whether a fingerprint key (or a flattened tag's, `precision_probe_s.fp32`) is one of `MEASURED`."""
+    return key.split(".")[0] in MEASURED

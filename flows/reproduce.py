@@ -18,6 +18,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.fingerprint import measured
 from alignflow.flows.data import dvc
 from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions
 from alignflow.flows.pipeline import NPROC_TAG, run_pipeline
@@ -65,14 +66,16 @@ def fingerprints(client: MlflowClient, run_id: str) -> dict[str, dict[str, str]]
 
 def environment_differences(recorded: dict[str, dict], now: dict[str, dict]) -> dict[str, tuple]:
     """{"stage: key": (recorded, now)} for each fingerprint entry that differs; a stage run recorded without a
-    fingerprint (before there was one) differs as `fingerprint`."""
+    fingerprint (before there was one) differs as `fingerprint`. Measurements (the precision probe's seconds,
+    core/fingerprint.py `MEASURED`) are not compared."""
     out = {}
     for stage in sorted(set(recorded) | set(now)):
         a, b = recorded.get(stage), now.get(stage)
         if not a or not b:
             out[f"{stage}: fingerprint"] = ("recorded" if a else None, "recorded" if b else None)
             continue
-        out.update({f"{stage}: {k}": (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)})
+        out.update({f"{stage}: {k}": (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+                    if a.get(k) != b.get(k) and not measured(k)})
     return out
 
 

@@ -13,6 +13,10 @@ import os
 # before any test imports torch: OpenMP threads sleep while they wait (as `alignflow` sets for its runs), so
 # the suite's two-thread processes do not spin against each other on a loaded machine
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# `precision: auto` resolves to fp32 on every machine (see `auto_precision_is_fp32`), in module- and session-scoped
+# fixtures' processes too, which start before any function-scoped fixture runs
+AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.core.train.precision.AUTO_ENV
+os.environ[AUTO_PRECISION_ENV] = "fp32"
 
 import multiprocessing.process  # noqa: E402
 import subprocess  # noqa: E402
@@ -64,6 +68,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def auto_precision_is_fp32(request, monkeypatch):
+    """`precision: auto` (every training stage's default) resolves to fp32 without probing, on every machine:
+    on a CPU with bf16 hardware (AVX-512 BF16, AMX) or a GPU it could pick bf16-mixed, and the tests that compare
+    exact numbers (accumulation against one batch, resumed against uninterrupted) would then depend on the
+    machine. ALIGNFLOW_AUTO_PRECISION=fp32 (core/train/precision.py), set when this file loads and again for each
+    test, is inherited by child processes and ranks. A test marked `precision_auto` gets the real resolution.
+    (The name is spelled out: importing that module would import torch into tests that check it stays out;
+    tests/core/train/test_precision.py checks the spelling.)"""
+    if request.node.get_closest_marker("precision_auto"):
+        monkeypatch.delenv(AUTO_PRECISION_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AUTO_PRECISION_ENV, "fp32")
 
 
 @pytest.fixture(autouse=True)

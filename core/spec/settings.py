@@ -60,7 +60,10 @@ class TrainSettings(PluginConfig):
     # and with the optimizer offloaded). DeepSpeed's `device: none|cpu` values.
     offload_optimizer: Literal["none", "cpu"] = "none"  # cpu: optimizer states on the CPU (zero_stage 1-3)
     offload_params: Literal["none", "cpu"] = "none"  # cpu: weights on the CPU too (zero_stage 3, optimizer offloaded)
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # fp32; bf16-mixed: fp32 weights and optimizer, forwards under bf16 autocast; bf16: DeepSpeed's bf16 mode
+    # (bf16 weights); auto: bf16-mixed where the hardware multiplies bf16 and it pays, else fp32
+    # (core/train/precision.py). `dtype: fp32|bf16` is the old spelling of `precision: fp32|bf16`.
+    precision: Literal["auto", "fp32", "bf16-mixed", "bf16"] = "auto"
     save_every: int = Field(50, ge=1)  # optimizer steps between resumable checkpoints
     log_every: int = Field(10, ge=1)  # optimizer steps between metric logs
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training rows held out for the held-out loss
@@ -68,6 +71,28 @@ class TrainSettings(PluginConfig):
     eval_generation: GenerationSettings = Field(default_factory=greedy)
 
     _greedy_eval = field_validator("eval_generation", mode="before")(greedy_unless_said)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_is_precision(cls, data):
+        """`dtype` (fp32 or bf16), the old spelling, becomes `precision`; both given and different is an error."""
+        if not isinstance(data, dict) or "dtype" not in data:
+            return data
+        data = dict(data)
+        dtype = data.pop("dtype")
+        if dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype: {dtype!r} is not fp32 or bf16 (`dtype` is the old spelling of `precision`, "
+                             "which also takes auto and bf16-mixed)")
+        if data.get("precision", dtype) != dtype:
+            raise ValueError(f"dtype: {dtype} and precision: {data['precision']} disagree (`dtype` is the old "
+                             "spelling of `precision`): give only precision")
+        data["precision"] = dtype
+        return data
+
+    @property
+    def weight_dtype(self) -> Literal["fp32", "bf16"]:
+        """The dtype models load in: bf16 for `precision: bf16`, else fp32 (bf16-mixed keeps fp32 weights)."""
+        return "bf16" if self.precision == "bf16" else "fp32"
 
     @field_validator("offload_optimizer")
     @classmethod

@@ -1,4 +1,4 @@
-"""The training engine: DeepSpeed (ZeRO 0-3, fp32/bf16) with step-level loss normalisation and resume.
+"""The training engine: DeepSpeed (ZeRO 0-3; fp32, bf16-mixed or bf16) with step-level loss normalisation and resume.
 
 Every stage trains through `Engine`; its loop reads
 
@@ -19,6 +19,10 @@ big-batch gradient, bit for bit up to the reduction order.
 DeepSpeed runs everywhere here, CPU included (its CPU accelerator, gloo, torch's AdamW), so
 there is no plain-PyTorch path. With bf16, gradients accumulate in bf16 (DeepSpeed's default
 `grad_accum_dtype`; its fp32 option is refused at ZeRO-0), so prefer few micro-batches per step.
+
+`Engine.create` resolves `settings.precision` once (core/train/precision.py; `auto` may time a probe step)
+into `engine.precision`; under `bf16-mixed` DeepSpeed sees an fp32 model and every forward of the stage runs
+in `engine.autocast()`, the frozen models' too.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ if not torch.cuda.is_available():  # choose DeepSpeed's CPU accelerator before i
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
-from alignflow.core.train import checkpoint, own_group  # noqa: E402
+from alignflow.core.train import checkpoint, own_group, precision  # noqa: E402
 from alignflow.core.rl.aggregation import StepNorm  # noqa: E402
 from alignflow.core.errors import AlignflowError  # noqa: E402
 from alignflow.core.spec.settings import TrainSettings  # noqa: E402
@@ -112,7 +116,7 @@ def ds_config(settings: TrainSettings, world_size: int, num_params: int) -> dict
         "managed_gradient_accumulation": False,
         "gradient_clipping": settings.grad_clip,
         "zero_optimization": {"stage": settings.zero_stage, **_buckets(num_params), **_offload(settings)},
-        "bf16": {"enabled": settings.dtype == "bf16"},
+        "bf16": {"enabled": settings.precision == "bf16"},  # bf16-mixed: fp32 here, autocast in the forwards
         "steps_per_print": 2**31 - 1,
         "zero_allow_untested_optimizer": True,  # torch's own AdamW and SGD, which ZeRO wraps like any other
         # Offloaded, torch's optimizer steps the CPU-held fp32 partitions: DeepSpeed refuses a client
@@ -160,9 +164,13 @@ def _optimizer(model: torch.nn.Module, settings: TrainSettings) -> torch.optim.O
 class Engine:
     """One trainable model: optimizer, schedule, accumulation, data parallelism and checkpoints."""
 
-    def __init__(self, ds, settings: TrainSettings, total_steps: int, out_dir: Path | None):
+    def __init__(self, ds, settings: TrainSettings, total_steps: int, out_dir: Path | None,
+                 resolved: precision.Resolved | None = None):
         self.ds = ds
         self.settings = settings
+        resolved = resolved or precision.Resolved(settings.weight_dtype, None, "")
+        self.precision = resolved.precision  # fp32, bf16-mixed or bf16: settings.precision resolved
+        self.precision_probe_s = resolved.probe_s  # the auto probe's median step seconds, None without one
         self.total_steps = total_steps
         self.out_dir = out_dir
         self.step_count = 0  # completed optimizer steps
@@ -186,10 +194,11 @@ class Engine:
         follows its policy's step), False or 0 starts fresh.
         """
         init_distributed()
+        resolved = resolve_precision(settings, model)
         config = ds_config(settings, dist.get_world_size(), sum(p.numel() for p in model.parameters()))
-        # ZeRO-0 fp32 steps our torch AdamW directly and DeepSpeed drops the norm it clips by:
-        # clip in the optimizer's pre-step hook instead, after DeepSpeed's all-reduce
-        clip_here = settings.zero_stage == 0 and settings.dtype == "fp32"
+        # ZeRO-0 fp32 (bf16-mixed too: fp32 weights) steps our torch AdamW directly and DeepSpeed drops the norm
+        # it clips by: clip in the optimizer's pre-step hook instead, after DeepSpeed's all-reduce
+        clip_here = settings.zero_stage == 0 and settings.precision != "bf16"
         if clip_here:
             config["gradient_clipping"] = 0.0
         optimizer = _optimizer(model, settings)
@@ -200,7 +209,7 @@ class Engine:
             config=config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
         )
-        engine = cls(ds, settings, total_steps, Path(out_dir) if out_dir is not None else None)
+        engine = cls(ds, settings, total_steps, Path(out_dir) if out_dir is not None else None, resolved)
         if clip_here:
             optimizer.register_step_pre_hook(engine._clip)
         if engine.out_dir is not None and resume is not False:
@@ -213,6 +222,15 @@ class Engine:
     def model(self):
         """The wrapped model: call it for the forward pass."""
         return self.ds
+
+    def autocast(self):
+        """The context every forward of the stage runs in: bf16 autocast under bf16-mixed, else nothing."""
+        return precision.autocast(self.precision, self.device)
+
+    def fingerprint(self) -> dict:
+        """The precision entries of the stage's manifest fingerprint: resolved, as set, the probe's seconds."""
+        return {"precision": self.precision, "precision_setting": self.settings.precision,
+                "precision_probe_s": self.precision_probe_s}
 
     @property
     def module(self) -> torch.nn.Module:
@@ -319,8 +337,21 @@ class Engine:
         return True
 
 
+def resolve_precision(settings: TrainSettings, model: torch.nn.Module) -> precision.Resolved:
+    """`settings.precision` resolved for `model` (core/train/precision.py), alike on every rank (rank 0's choice
+    where `auto` probed), and logged."""
+    resolved = precision.resolve(settings, model)
+    if settings.precision == "auto" and dist.get_world_size() > 1:
+        shared = [resolved]
+        dist.broadcast_object_list(shared, src=0)
+        resolved = shared[0]
+    log.info("precision %s (%s)", resolved.precision, resolved.reason)
+    return resolved
+
+
 def frozen(model: torch.nn.Module, settings: TrainSettings) -> torch.nn.Module:
-    """A reference model: eval mode, no grad, no optimizer, in the training dtype.
+    """A reference model: eval mode, no grad, no optimizer, in the training weights' dtype (fp32 under
+    bf16-mixed: the caller runs it in the policy engine's `autocast()`, so that both score alike).
 
     Under ZeRO-3 it is sharded like the policy by a DeepSpeed engine without optimizer; below
     stage 3 DeepSpeed refuses an engine without optimizer and a plain module on the device is
@@ -333,6 +364,5 @@ def frozen(model: torch.nn.Module, settings: TrainSettings) -> torch.nn.Module:
         ds, *_ = deepspeed.initialize(model=model, config=config)
         # DeepSpeedEngine.train/eval only reach the inner module and return None; Module.train sets both
         return torch.nn.Module.train(ds, False)
-    dtype = torch.bfloat16 if settings.dtype == "bf16" else torch.float32
     device = get_accelerator().current_device_name()
-    return model.to(device=device, dtype=dtype)
+    return model.to(device=device, dtype=precision.weight_dtype(settings.precision))

@@ -13,8 +13,11 @@ What is counted, per GPU:
   `zero_init=False` (stages load with `from_pretrained`, not under `deepspeed.zero.Init`). ZeRO-0
   partitions nothing: the ZeRO-2 formula on one GPU (2 + 18 bytes a parameter). ZeRO-1 uses the same
   estimator as ZeRO-2 (DeepSpeed has none of its own); it keeps whole gradients, up to 2 bytes a
-  parameter more. The estimators assume 16-bit weights with fp32 master copies; an fp32 stage needs more.
-- frozen models (reference, teacher): their weights in the stage's dtype, split over the ranks at ZeRO-3,
+  parameter more. The estimators assume 16-bit weights with fp32 master copies (`precision: bf16`); a stage
+  with fp32 weights (`fp32`, `bf16-mixed`, and `auto`, which resolves to one of them) needs more, which the line
+  says rather than counts (bf16-mixed's autocast also holds bf16 copies of the weights during a forward).
+- frozen models (reference, teacher): their weights in the stage's weight dtype (bf16 only for `precision: bf16`,
+  fp32 otherwise, so `auto` is counted as fp32, never less than it resolves to), split over the ranks at ZeRO-3,
   none on the GPU when ZeRO-3 offloads parameters.
 - not counted: activations (they depend on sequence length, micro-batch and checkpointing) and a
   colocated vLLM sampler, which takes its `gpu_memory_utilization` share of the device on top
@@ -54,7 +57,7 @@ class StageMemory:
     offload_params: str
     gpus_per_node: int
     nodes: int
-    dtype: str
+    precision: str  # the setting: auto, fp32, bf16-mixed or bf16
     trained: dict[str, Counts] = field(default_factory=dict)  # policy / critic / reward model -> counts
     frozen: dict[str, Counts] = field(default_factory=dict)  # reference / teacher -> counts
     states_gpu: int = 0  # bytes per GPU of the trained models' states (DeepSpeed's estimators)
@@ -81,10 +84,11 @@ class StageMemory:
                 f"{'s' if ranks > 1 else ''}; DeepSpeed's estimator)")
         if self.frozen:
             text += (f" + {gib(self.frozen_gpu)} frozen "
-                     f"{', '.join(f'{role} {millions(c.total)}' for role, c in self.frozen.items())} ({self.dtype})")
+                     f"{', '.join(f'{role} {millions(c.total)}' for role, c in self.frozen.items())} "
+                     f"({'bf16' if self.precision == 'bf16' else 'fp32'})")
         text += f"; CPU {gib(self.states_cpu)} per node; activations not counted"
-        if self.dtype == "fp32":
-            text += "; fp32 weights: more than this (the estimator assumes 16-bit ones)"
+        if self.precision != "bf16":
+            text += f"; precision {self.precision}, fp32 weights: more than this (the estimator assumes 16-bit ones)"
         if self.sampler_share is not None:
             text += f"; plus vLLM's gpu_memory_utilization {self.sampler_share:g} of the GPU"
         return text
@@ -211,7 +215,7 @@ def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_n
     stage = spec.stages[name]
     s = stage.validated_settings()
     memory = StageMemory(spec.label(name), stage.kind, s.zero_stage, s.offload_optimizer, s.offload_params,
-                         gpus_per_node, nodes, s.dtype)
+                         gpus_per_node, nodes, s.precision)
     algo = plugins.algorithms.get(stage.algorithm.name) if stage.algorithm is not None else None
     lora = getattr(s, "lora", None)
     lora = lora if lora is not None and lora.r > 0 else None
@@ -243,7 +247,7 @@ def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_n
         cpu, gpu = model_states(c, s.zero_stage, offload_opt, offload_params, gpus_per_node, nodes)
         memory.states_cpu += cpu
         memory.states_gpu += gpu
-    width = 2 if s.dtype == "bf16" else 4
+    width = 2 if s.weight_dtype == "bf16" else 4
     split = gpus_per_node * nodes if s.zero_stage == 3 else 1  # ZeRO-3 partitions frozen weights too
     if not (s.zero_stage == 3 and offload_params):
         memory.frozen_gpu = sum(width * c.total // split for c in memory.frozen.values())

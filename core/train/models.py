@@ -16,6 +16,7 @@ from torch import Tensor
 from alignflow.core.train import packing  # a module attribute, so stage digests include its source
 from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
 from alignflow.core.train.adapters import ADAPTER_CONFIG, is_adapter_dir
+from alignflow.core.train.precision import cpu_has_bf16
 from alignflow.core.errors import AlignflowError
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,6 @@ def build_tiny(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out_dir)
     return out_dir
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX). Without either, torch's bf16
-    matmuls are emulated: 1-2 GFLOP/s against ~70 for fp32 on an AVX2 EPYC core, and a step of the tiny
-    model runs 6x slower than in fp32."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _from_pretrained(auto_cls, name_or_path, dtype: str, **kwargs: Any):

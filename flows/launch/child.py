@@ -155,7 +155,7 @@ def _run_stage(payload: dict, out, rank: int) -> tuple:
         log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
     )
     result = RUNNERS[payload["kind"]](ctx)
-    return {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline
+    return {k: str(v) for k, v in result.outputs.items()}, result.metrics, result.headline, result.fingerprint
 
 
 def _portable(exc: BaseException) -> tuple:
@@ -251,8 +251,8 @@ def _collect(ctx: StageContext, child, out) -> StageResult:
             _, _, exc, trace, _ = message
             raise_failure(ctx, exc, trace, "the stage's process")
         else:
-            _, _, outputs, metrics, headline = message
-            return StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+            _, _, outputs, metrics, headline, env = message
+            return StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline, env)
 
 
 def raise_failure(ctx: StageContext, exc: BaseException | None, trace: str, place: str, cause=None):

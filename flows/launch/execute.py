@@ -301,6 +301,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         failed.seconds = seconds
         raise failed from exc
     finished = time.time()
+    env = {**env, **result.fingerprint}
     manifest = {
         "digest": plan.digest, "stage": plan.name, "kind": plan.kind,
         "status": "resumed" if resumed else "ran",

@@ -118,8 +118,8 @@ class _Gather:
                                           f"{message[2] if message[2] else message[3].strip().splitlines()[-1]}",
                               message[4])
             elif kind == "result":
-                _, _, outputs, metrics, headline = message
-                self.result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline)
+                _, _, outputs, metrics, headline, env = message
+                self.result = StageResult({k: Path(v) for k, v in outputs.items()}, metrics, headline, env)
 
     def stop_ranks(self) -> None:
         for pid in self.pids.values():

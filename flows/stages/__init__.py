@@ -45,6 +45,9 @@ class StageResult:
     outputs: dict[str, Path]
     metrics: dict[str, float] = field(default_factory=dict)
     headline: str | None = None  # the metric the summary shows for this stage
+    # entries only the run learns for the manifest's `fingerprint` (core/fingerprint.py): a training stage's
+    # resolved precision (`Engine.fingerprint()`)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         unknown = set(self.outputs) - OUTPUTS

@@ -27,7 +27,7 @@ class Feed:
     """How a stage turns dataset rows into what `algorithm.loss` takes, one micro-batch at a time."""
 
     collate: Callable[[list[dict]], dict]  # tokenised rows -> a padded micro-batch
-    batch: Callable[[dict], Any]  # micro-batch -> the algorithm's batch (policy forward passes here)
+    batch: Callable[[dict], Any]  # micro-batch -> the algorithm's batch (forwards here, in engine.autocast())
     norm_mask: Callable[[dict], torch.Tensor]  # [B, T]: B examples, and the tokens a token mean divides by
     # how much a micro-batch's mean metrics weigh in the step's: its examples, unless the metrics are
     # means over something else (a PRM's over labelled steps)
@@ -115,7 +115,9 @@ def train_loop(ctx: StageContext, engine, algo, train, feed: Feed) -> dict[str, 
             norm = engine.step_norm([feed.norm_mask(m) for m in micros])
             loss, tally = 0.0, Tally()
             for micro in micros:
-                micro_loss, metrics = algo.loss(feed.batch(micro), norm)
+                with engine.autocast():
+                    scored = feed.batch(micro)
+                micro_loss, metrics = algo.loss(scored, norm)
                 engine.backward(micro_loss)
                 loss += micro_loss.item()  # step shares: their sum is the step's loss
                 tally.add(metrics, feed.weight(micro))
@@ -147,7 +149,9 @@ def held_out_metrics(engine, algo, rows, feed: Feed, micro: int) -> dict[str, fl
     norm = engine.step_norm(masks) if share else StepNorm.of(masks)
     loss, tally = 0.0, Tally()
     for m in micros:
-        micro_loss, metrics = algo.loss(feed.batch(m), norm)
+        with engine.autocast():
+            scored = feed.batch(m)
+        micro_loss, metrics = algo.loss(scored, norm)
         loss += micro_loss.item()
         tally.add(metrics, feed.weight(m))
     engine.model.train()

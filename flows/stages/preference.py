@@ -240,8 +240,9 @@ def run_preference(ctx: StageContext) -> StageResult:
     if algo.requires_reference:
         reference = frozen(reference, s) if reference is not None else AdaptersOff(engine.module)
         splits = {"train": train, "eval": held_out}
-        caches = cached_reference(ctx, reference, splits, reference_sets(algo, candidates), pad_id, engine.device,
-                                  algo.needs_token_logprobs)
+        with engine.autocast():  # the policy's precision, so that at policy == reference both score alike
+            caches = cached_reference(ctx, reference, splits, reference_sets(algo, candidates), pad_id,
+                                      engine.device, algo.needs_token_logprobs)
         if not algo.needs_kl_pairs:
             reference = None  # every reference log-prob it needs is cached: free the model
 
@@ -256,4 +257,4 @@ def run_preference(ctx: StageContext) -> StageResult:
         final.update(evaluate_model(ctx, engine.module, tokenizer))
     ctx.log_metrics(final, engine.step_count)
     headline = next((k for k in ("eval/accuracy", "eval/rewards/accuracies") if k in final), "train/loss")
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())

@@ -67,4 +67,4 @@ def run_prm(ctx: StageContext) -> StageResult:
     out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
     ctx.log_metrics(final, engine.step_count)
     headline = "eval/accuracy" if "eval/accuracy" in final else "train/accuracy"
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())

@@ -46,4 +46,4 @@ def run_sft(ctx: StageContext) -> StageResult:
     final.update(evaluate_model(ctx, engine.module, tokenizer))
     ctx.log_metrics(final, engine.step_count)
     headline = "eval/accuracy" if "eval/accuracy" in final else "train/loss"
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())

@@ -41,11 +41,12 @@ def load_tokenizer_for(ctx: StageContext, src):
 
 
 def load_model_for(ctx: StageContext, src, *, value_head: bool = False, dtype: str | None = None):
-    """A causal LM with `settings.model` options and the stage's dtype; with `value_head`, a one-output
-    value model to train, as a `ValueModel` (its forward, run by the engine, gives the values)."""
+    """A causal LM with `settings.model` options and the stage's weight dtype (bf16 only for `precision: bf16`);
+    with `value_head`, a one-output value model to train, as a `ValueModel` (its forward, run by the engine,
+    gives the values)."""
     o = ctx.settings.model
     loader = load_value_model if value_head else load_model
-    model = loader(src, dtype=dtype or getattr(ctx.settings, "dtype", "fp32"),
+    model = loader(src, dtype=dtype or getattr(ctx.settings, "weight_dtype", "fp32"),
                    attn_implementation=o.attn_implementation, trust_remote_code=o.trust_remote_code)
     return ValueModel(model) if value_head else model
 
@@ -109,8 +110,8 @@ def save_pretrained(engine, tokenizer, out: Path) -> Path:
         tokenizer.save_pretrained(first)
         if merge:
             o = engine.settings.model
-            merged = load_model(first, dtype=engine.settings.dtype, attn_implementation=o.attn_implementation,
-                                trust_remote_code=o.trust_remote_code)
+            merged = load_model(first, dtype=engine.settings.weight_dtype,
+                                attn_implementation=o.attn_implementation, trust_remote_code=o.trust_remote_code)
             merged.save_pretrained(out)
             tokenizer.save_pretrained(out)
     return out

@@ -7,7 +7,8 @@ import torch
 from alignflow.core import fingerprint as fp
 
 KEYS = {"python", "torch", "transformers", "deepspeed", "vllm", "peft", "plugins", "cpu_model", "cpu_capability",
-        "cpu_bf16", "gpu", "gpu_driver", "cuda", "torch_threads", "precision"}
+        "cpu_bf16", "gpu", "gpu_driver", "cuda", "torch_threads", "precision",
+        "precision_setting", "precision_probe_s"}
 # what torch.backends.cpu.get_cpu_capability() answers on x86, Arm, POWER and s390x
 CAPABILITIES = {"DEFAULT", "NO AVX", "AVX2", "AVX512", "AVX512_VNNI", "AMX", "SVE256", "VSX", "ZVECTOR"}
 
@@ -24,7 +25,7 @@ def fresh_cpu():
 
 def test_fingerprint_has_every_key_with_this_machines_values():
     class Settings:
-        dtype = "bf16"
+        precision = "bf16"
 
     got = fp.fingerprint(Settings(), {"alignflow": md.version("alignflow")}, threads=3)
     assert set(got) == KEYS
@@ -35,7 +36,7 @@ def test_fingerprint_has_every_key_with_this_machines_values():
     assert got["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isinstance(got["cpu_model"], str) and got["cpu_model"]
     assert got["plugins"] == {"alignflow": md.version("alignflow")}
-    assert (got["torch_threads"], got["precision"]) == (3, "bf16")
+    assert (got["torch_threads"], got["precision"], got["precision_setting"]) == (3, "bf16", "bf16")
     assert got["cuda"] == torch.version.cuda
     if torch.cuda.device_count() == 0:
         assert (got["gpu"], got["gpu_driver"]) == (None, None)

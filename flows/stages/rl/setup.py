@@ -78,7 +78,8 @@ def engines(ctx: StageContext, model, critic, total: int, updates: int):
     torch.manual_seed(seeds.init(ctx.seed))
     engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
     if critic is not None:
-        critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr})
+        # the policy's resolved precision: both run in one autocast (rl/update.py's micro_step)
+        critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr, "precision": engine.precision})
         critic = Engine.create(critic, critic_settings, total * updates, ctx.checkpoint_dir / "critic",
                                resume=engine.step_count)
     return engine, critic

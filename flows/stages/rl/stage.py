@@ -150,7 +150,7 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
     headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline)
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())
 
 
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
@@ -218,10 +218,12 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
         fill["values"] = partial(critic_values, p.critic.model)
     batch = to_batch(kept, p.tokenizer.pad_token_id, completion_budget(s.generation, p.episodes), cost_label(p.algo),
                      reward_components(p.algo, p.rewards), turn_anchor(p.algo))
-    batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
-    # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
-    # taken when `fill` recomputed pi_old for every row).
-    batch = rescore_guided(batch, s.micro_batch_size, None if "old_logprobs" in fill else logprobs(p.engine.model))
+    with p.engine.autocast():  # policy, reference, teacher and critic in the policy's precision
+        batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
+        # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
+        # taken when `fill` recomputed pi_old for every row).
+        batch = rescore_guided(batch, s.micro_batch_size,
+                               None if "old_logprobs" in fill else logprobs(p.engine.model))
     # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
     return restore(batch, n_fresh, picked)
 

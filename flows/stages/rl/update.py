@@ -134,12 +134,14 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
     if teacher is not None:
-        per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
-                                                              returns, ids, attention, mask, temperature)
+        with engine.autocast():  # the loss on the logits too: it upcasts them (core/rl/divergence.py)
+            per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
+                                                                  returns, ids, attention, mask, temperature)
     else:
-        logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
-                                           return_entropy=True, packed=packed)
-        values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
+        with engine.autocast():
+            logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
+                                               return_entropy=True, packed=packed)
+            values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
         view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns,
                            values=values)
         per_token, metrics = algo.loss(view)

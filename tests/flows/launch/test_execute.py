@@ -32,7 +32,7 @@ def test_manifest_and_run_record_the_fingerprint_and_a_cached_stage_keeps_where_
     assert recorded["torch"] == torch.__version__
     assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert recorded["plugins"] == {"alignflow": plan.versions["plugins"]["selector/dedup"]["version"]}
-    assert recorded["precision"] is None  # a select stage has no dtype setting
+    assert recorded["precision"] is None  # a select stage has no precision setting
     assert fp.differences(recorded, fp.fingerprint(None, recorded["plugins"], recorded["torch_threads"])) == {}
     tags = tracker.client.get_run(ran.mlflow_run_id).data.tags
     assert tags["alignflow.fp.cpu_capability"] == recorded["cpu_capability"]
