@@ -61,6 +61,10 @@ class Sampler:
         """Take the policy's new weights after an optimizer update."""
         raise NotImplementedError
 
+    def set_precision(self, precision: str) -> None:
+        """The training stage's resolved compute precision (`fp32`, `bf16-mixed` or `bf16`), given before
+        `load`, so generation computes as the trainer does. Optional: a sampler may keep its own."""
+
     def release(self) -> None:
         """The trainer is about to step: free what generation holds (a GPU engine's memory). Optional."""
 

@@ -38,10 +38,14 @@ class HFSampler(Sampler):
         max_batch_tokens: int = Field(1 << 18, ge=1)  # rows x (longest prompt + max_new_tokens) per loop
         return_logprobs: bool = True
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
-        dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the stage's compute precision
+        dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
 
     online = True
-    compute_dtype = torch.float32  # the stage sets bf16 when its forwards run under bf16 autocast
+
+    def set_precision(self, precision: str) -> None:
+        """`dtype: auto` decodes in bf16 where the trainer computes in bf16 (so in a rollout worker too)."""
+        if self.config.dtype == "auto":
+            self.config = self.config.model_copy(update={"dtype": "fp32" if precision == "fp32" else "bf16"})
 
     def load(self, model, tokenizer) -> None:
         """Bind the policy (an nn.Module, shared with the trainer) and its tokenizer."""
@@ -96,8 +100,7 @@ class HFSampler(Sampler):
                 log.info("hf sampler: transformers' forward decodes (%s)", why)
                 self._said = True
             return None
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(c.dtype, self.compute_dtype)
-        return PackedDecoder(self.model, dtype)
+        return PackedDecoder(self.model, torch.bfloat16 if c.dtype == "bf16" else torch.float32)
 
     def decode(self, prompts: list[list[int]], n: int, gen: GenerationSettings, generator: torch.Generator,
                packed: PackedDecoder | None = None):

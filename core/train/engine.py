@@ -227,6 +227,10 @@ class Engine:
         """The context every forward of the stage runs in: bf16 autocast under bf16-mixed, else nothing."""
         return precision.autocast(self.precision, self.device)
 
+    def match(self, model):
+        """A frozen model (reference, teacher) made to attend as the policy does (see `fit_attention`)."""
+        return precision.match_attention(model, self.module)
+
     def fingerprint(self) -> dict:
         """The precision entries of the stage's manifest fingerprint: resolved, as set, the probe's seconds."""
         return {"precision": self.precision, "precision_setting": self.settings.precision,
@@ -345,7 +349,8 @@ def resolve_precision(settings: TrainSettings, model: torch.nn.Module) -> precis
         shared = [resolved]
         dist.broadcast_object_list(shared, src=0)
         resolved = shared[0]
-    log.info("precision %s (%s)", resolved.precision, resolved.reason)
+    attention = precision.fit_attention(model, resolved.precision, settings)
+    log.info("precision %s (%s)%s", resolved.precision, resolved.reason, f", {attention} attention" if attention else "")
     return resolved
 
 

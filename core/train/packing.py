@@ -2,9 +2,9 @@
 
 A GRPO group is G completions of one prompt. Padded, a micro-batch computes every prompt G times and every
 row to the longest one's width. Packed, the rows' real tokens sit end to end in rows of at least
-`PACK_WIDTH` tokens; rows that share their prompt (the tokens before their first scored one) share one
-copy of it: the unit [prompt, completion 1, ..., completion k] costs P + sum(C_i) tokens instead of
-k * P + sum(C_i). Each completion attends to its prompt and to itself (a 4D mask; its positions continue
+`pack_width` tokens (256 on a GPU, less on a CPU); rows that share their prompt (the tokens before their
+first scored one) share one copy of it, per unit of at most that many tokens: the unit [prompt, completion 1,
+..., completion k] costs P + sum(C_i) tokens instead of k * P + sum(C_i). Each completion attends to its prompt and to itself (a 4D mask; its positions continue
 from the prompt's), so every log-prob and gradient is the padded batch's (tested to float rounding); the
 shared prompt's gradient is the sum over its completions, as it is when the prompt is repeated.
 
@@ -24,7 +24,20 @@ from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logit
 
 log = logging.getLogger(__name__)
 
-PACK_WIDTH = 256  # tokens per packed row at least: attention over it costs little beside the matmuls
+PACK_WIDTH = 256  # tokens per packed row at least (on a GPU): attention over it costs little beside the matmuls
+
+
+def pack_width(model) -> int:
+    """Tokens per packed row. A packed row's attention is dense over its whole width (the 4D mask only hides
+    what a token may not see), so it costs ~4·W·H FLOPs a token per layer against ~24·H² for the matmuls. GPU
+    kernels make that small at PACK_WIDTH; on a CPU W = H/2 holds it near 8% (tiny model: 64, not 256:
+    its packed update ran 1.2-1.5x slower at 256 than unpacked). Groups longer than W are split into units
+    that each hold a copy of the prompt."""
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        return PACK_WIDTH
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 2 * PACK_WIDTH)
+    return max(32, min(PACK_WIDTH, hidden // 2))
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -56,25 +69,37 @@ class Layout:
     segment: Tensor | None = None  # [R*W] -1 on a unit's prompt, else the completion's own row
 
 
-def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: list[int] | None):
-    """Rows grouped by equal prompt tokens (`prompts`: each row's prompt length; None: no sharing)."""
+def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: list[int] | None,
+             width: int = 1 << 30):
+    """Rows grouped by equal prompt tokens (`prompts`: each row's prompt length; None: no sharing), a group
+    split into units of at most `width` tokens (its prompt once, then its completions) where it is longer."""
     if prompts is None:
         return [[b] for b in range(len(lengths))]
     found: dict[tuple, list[int]] = {}
     for b, (s, p) in enumerate(zip(starts, prompts)):
         found.setdefault((p, tuple(input_ids[b, s: s + p].tolist())), []).append(b)
-    return list(found.values())
+    units: list[list[int]] = []
+    for group in found.values():
+        p, size = prompts[group[0]], None
+        for b in group:
+            if size is None or size + lengths[b] - p > width:
+                units.append([])
+                size = p
+            units[-1].append(b)
+            size += lengths[b] - p
+    return units
 
 
-def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None) -> Layout:
-    """Pack the rows; with `prompts` (each row's prompt length) rows with equal prompts share one copy."""
+def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None, width: int = PACK_WIDTH) -> Layout:
+    """Pack the rows in rows of `width` tokens (wider where one sequence is); with `prompts` (each row's
+    prompt length) rows with equal prompts share one copy per unit of at most `width` tokens."""
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
-    units = units_of(input_ids, starts, lengths, prompts)
+    units = units_of(input_ids, starts, lengths, prompts, width)
     shared = [0 if len(u) == 1 else prompts[u[0]] for u in units]  # prompt tokens stored once per unit
     sizes = [p + sum(lengths[b] - p for b in u) for u, p in zip(units, shared)]
-    W = max(max(sizes), PACK_WIDTH)
+    W = max(max(sizes), width)
     bins = pack_rows(sizes, W)
     src, dst, pos, unit_of, seg = [], [], [], [], []
     at = torch.full((B * T,), -1, dtype=torch.long)
@@ -128,7 +153,7 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
         start = attention_mask.int().argmax(-1)
         first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + start)
         prompts = (first - start).tolist()
-    lay = layout(input_ids, attention_mask, prompts)
+    lay = layout(input_ids, attention_mask, prompts, pack_width(model))
     packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=device)
     packed[lay.target] = input_ids.reshape(-1)[lay.source]
     kwargs = dict(position_ids=lay.positions.view(lay.rows, lay.width), use_cache=False)

@@ -118,3 +118,34 @@ def probe(model: torch.nn.Module, micro_batch_size: int, max_length: int, vocab:
     for p, grad in saved:
         p.grad = grad
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+EAGER_UP_TO = 512  # max_length up to which bf16-mixed on a CPU attends with eager matmuls
+
+
+def fit_attention(model: torch.nn.Module, resolved: str, settings) -> str | None:
+    """Under bf16-mixed on a CPU, eager attention where the settings leave the choice to transformers and
+    sequences are short: torch's CPU flash-attention kernel runs its bf16 backward several times slower than
+    the matmuls it replaces (tiny model, forward + backward, 1 core: 84 against 42 ms at 32 x 40 tokens,
+    117 against 75 at 16 x 128, 113 against 98 at 8 x 256; from 512 tokens sdpa is as fast or faster).
+    Returns the implementation it set, or None."""
+    device = next(model.parameters()).device
+    config = getattr(model, "config", None)
+    if (resolved != "bf16-mixed" or device.type != "cpu" or settings.model.attn_implementation is not None
+            or settings.max_length > EAGER_UP_TO or getattr(config, "_attn_implementation", None) != "sdpa"
+            or not hasattr(model, "set_attn_implementation")):
+        return None
+    model.set_attn_implementation("eager")
+    return "eager"
+
+
+def match_attention(model, like: torch.nn.Module):
+    """`model` (a frozen reference or teacher) set to attend as the policy `like` does, so that at equal
+    weights both give equal log-probs; returned for chaining. Models without the switch pass unchanged."""
+    want = getattr(getattr(like, "config", None), "_attn_implementation", None)
+    inner = getattr(model, "module", model)
+    have = getattr(getattr(inner, "config", None), "_attn_implementation", None)
+    if want and have and want != have and hasattr(inner, "set_attn_implementation"):
+        inner.set_attn_implementation(want)
+    return model
+

@@ -238,7 +238,7 @@ def run_preference(ctx: StageContext) -> StageResult:
     engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
     caches = {}
     if algo.requires_reference:
-        reference = frozen(reference, s) if reference is not None else AdaptersOff(engine.module)
+        reference = engine.match(frozen(reference, s)) if reference is not None else AdaptersOff(engine.module)
         splits = {"train": train, "eval": held_out}
         with engine.autocast():  # the policy's precision, so that at policy == reference both score alike
             caches = cached_reference(ctx, reference, splits, reference_sets(algo, candidates), pad_id,

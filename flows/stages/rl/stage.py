@@ -85,9 +85,11 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     teacher = load_teacher(ctx, tokenizer) if algo.requires_teacher else None
     attach_parameters(ctx, model, algo)  # before the engine, so its optimizer steps them
     engine, critic = engines(ctx, model, critic, total, s.ppo_epochs * n_minibatches)
+    reference, teacher = engine.match(reference), engine.match(teacher)  # attend as the policy does
     if algo.requires_reference and reference is None:
         reference = AdaptersOff(engine.module)
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
     if s.overlap_rollouts:
         sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)

@@ -204,3 +204,21 @@ def test_packing_falls_back_for_attention_that_mixes_sequences(tiny):
     assert not packing_works(mixing)
     ids, attn = _batch(load_tokenizer(tiny), ["905-18=887", "7+8=15"], "right")
     torch.testing.assert_close(token_logprobs(mixing, ids, attn, packed=True), token_logprobs(model, ids, attn))
+
+
+def test_half_precision_logits_upcast_in_blocks_give_the_fp32_values(monkeypatch):
+    """bf16 logits are upcast a block of rows at a time (packed [tokens, V] logits too): the log-probs and
+    entropies are those of the fp32 upcast of the whole tensor, whatever the block size."""
+    import alignflow.core.train.logits as lg
+
+    torch.manual_seed(0)
+    logits = torch.randn(7, 5, 11).to(torch.bfloat16)
+    tokens = torch.randint(0, 11, (7, 5))
+    whole = logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    entropy = -(logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
+    for block in (1 << 24, 2 * 5 * 11, 11):  # one block; two rows a block; one token a block (flattened)
+        monkeypatch.setattr(lg, "UPCAST_ELEMENTS", block)
+        for x, t, w, e in ((logits, tokens, whole, entropy), (logits.flatten(0, 1), tokens.flatten(), whole.flatten(),
+                                                               entropy.flatten())):
+            torch.testing.assert_close(lg.logprobs_from_logits(x, t), w, atol=1e-5, rtol=0)
+            torch.testing.assert_close(lg.entropy_from_logits(x), e, atol=1e-5, rtol=0)

@@ -134,3 +134,22 @@ def test_shared_prompt_gradients_are_the_same_every_time_on_two_threads_under_lo
         first = grads()
         for _ in range(8):
             assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+
+
+def test_a_group_longer_than_the_width_splits_into_units_each_with_its_prompt(tiny, monkeypatch):
+    """At width 9 the "12+7=" group (prompt 5, completions 3, 2, 7) splits into [5+3] ... units of at most 9
+    tokens where it can ("1+9=10</s>" alone is wider: its row is 12), and the values stay the padded ones."""
+    tok = load_tokenizer(tiny)
+    ids, attn, labels = group_batch(tok, "left")
+    prompts = [len(tok(p).input_ids) for p in ["12+7="] * 3 + ["3*4="] * 2 + ["12+8="]]
+    lay = layout(ids, attn, prompts, width=9)
+    at = lay.at.view(ids.shape)
+    starts = attn.int().argmax(-1)
+    first = [at[r, starts[r]].item() for r in range(6)]  # where each row's prompt copy starts
+    assert first[0] != first[1] != first[2] and first[3] == first[4]  # 5+3, 5+2, 5+7 alone; 4+3+1 together
+    assert lay.width == 12  # the widest unit, "12+7=" + "1+9=10</s>"
+    model = load_model(tiny)
+    monkeypatch.setattr(packing, "pack_width", lambda m: 9)
+    with torch.no_grad():
+        torch.testing.assert_close(token_logprobs(model, ids, attn, labels, packed=True),
+                                   token_logprobs(model, ids, attn, labels), atol=1e-5, rtol=0)

@@ -136,8 +136,9 @@ def test_auto_is_recorded_resolved_beside_the_setting():
 def test_a_frozen_model_under_bf16_mixed_keeps_fp32_weights_and_scores_as_the_policy(tiny_model):
     settings = TrainSettings(precision="bf16-mixed", batch_size=2, micro_batch_size=2)
     engine = Engine.create(load_model(tiny_model()), settings, 1)
-    ref = frozen(load_model(tiny_model()), settings)
+    ref = engine.match(frozen(load_model(tiny_model()), settings))
     assert next(ref.parameters()).dtype == torch.float32
+    assert ref.config._attn_implementation == engine.module.config._attn_implementation == "eager"  # fit_attention
     ids = torch.randint(4, 200, (2, 12), device=engine.device)
     with torch.no_grad(), engine.autocast():
         ours, theirs = engine.model(input_ids=ids).logits, ref(input_ids=ids).logits
@@ -149,3 +150,19 @@ def test_measured_entries_are_not_environment_differences():
     b = {"precision": "bf16-mixed", "precision_probe_s": {"fp32": 0.2, "bf16-mixed": 0.06}}
     assert fp.differences(a, b) == {}
     assert fp.differences(a, {**b, "precision": "fp32"}) == {"precision": ("bf16-mixed", "fp32")}
+
+
+def test_eager_attention_only_under_bf16_mixed_on_a_cpu_for_short_sequences(tiny_model):
+    from alignflow.core.spec.settings import ModelOptions
+    from alignflow.core.train.precision import fit_attention
+
+    def after(resolved, **kw):
+        model = load_model(tiny_model())
+        assert model.config._attn_implementation == "sdpa"
+        fit_attention(model, resolved, TrainSettings(**kw))
+        return model.config._attn_implementation
+
+    assert after("bf16-mixed") == "eager"
+    assert after("fp32") == after("bf16") == "sdpa"
+    assert after("bf16-mixed", max_length=1024) == "sdpa"  # long sequences: torch's kernel is as fast
+    assert after("bf16-mixed", model=ModelOptions(attn_implementation="sdpa")) == "sdpa"  # the user's choice
