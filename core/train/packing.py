@@ -33,8 +33,8 @@ def pack_width(model) -> int:
     kernels make that small at PACK_WIDTH; on a CPU W = H/2 holds it near 8% (tiny model: 64, not 256:
     its packed update ran 1.2-1.5x slower at 256 than unpacked). Groups longer than W are split into units
     that each hold a copy of the prompt."""
-    device = next(model.parameters()).device
-    if device.type != "cpu":
+    model = getattr(model, "module", model)  # a DeepSpeed engine's module
+    if next(model.parameters()).device.type != "cpu":
         return PACK_WIDTH
     hidden = getattr(getattr(model, "config", None), "hidden_size", 2 * PACK_WIDTH)
     return max(32, min(PACK_WIDTH, hidden // 2))
