@@ -63,16 +63,14 @@ def alignflow_side(args) -> list[dict]:
                    micro_batch_size=SHAPE["micro_batch"], lr=SHAPE["lr"], lr_scheduler="constant",
                    max_steps=args.warmup + args.steps, save_every=10**6, log_every=10**6,
                    generation={"max_new_tokens": SHAPE["max_new_tokens"], "temperature": 1.0},
-                   overlap_rollouts=args.overlap, overlap_threads=args.threads,
-                   **({"precision": args.precision} if args.precision and "precision" in RLSettings.model_fields
-                      else {}))
-    args.ran_precision = getattr(s, "precision", s.dtype)  # without the field (yet): `dtype`, fp32 here
+                   overlap_rollouts=args.overlap, overlap_threads=args.threads, precision=args.precision or "auto")
     spec = StageSpec(kind="rl", inputs={"model": args.model, "dataset": args.dataset}, rewards=["math_accuracy"],
                      algorithm={"name": "grpo", "config": {"kl_loss_coef": 0.0}}, sampler=args.sampler)
     ctx = StageContext("bench", spec, s, {"model": Path(args.model), "dataset": Path(args.dataset)},
                        work / "work", work / "checkpoints", 0, lambda m, step: None, get_plugins())
     ctx.work_dir.mkdir(parents=True)
     parts, _ = rl.build(ctx)
+    args.ran_precision = parts.engine.precision  # `auto` resolved on this machine for this model
     steps = []
     for step in range(args.warmup + args.steps):
         m = rl.rl_step(ctx, parts, step)
@@ -229,8 +227,8 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, help="TRL's threads (default: --threads)")
     parser.add_argument("--overlap", action="store_true",
                         help="the rl stage with overlap_rollouts: a rollout worker of --threads threads besides")
-    parser.add_argument("--precision", choices=PRECISIONS, help="the rl stage's `precision` setting, where "
-                        "RLSettings has that field (without it the stage runs its `dtype`, fp32)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="the rl stage's `precision` setting (default auto: "
+                        "the JSON records what it resolved to)")
     parser.add_argument("--trl-precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: GRPOConfig(bf16=True), autocast on the CPU")
     parser.add_argument("--trl-best", action="store_true",
@@ -270,9 +268,6 @@ def measure(args, tmp: Path) -> dict:
         for side in runs:
             runs[side].append(run_side(args, side, model, prompts, tmp / f"{side}{pair}", env, args.warmup,
                                        args.steps, args.trl_precision, f"pair {pair} {side}"))
-    if args.precision and runs["alignflow"][0]["precision"] != args.precision:
-        print(f"--precision {args.precision} not applied: RLSettings has no `precision` field; the stage ran "
-              f"{runs['alignflow'][0]['precision']}", file=sys.stderr)
     prompt_tokens = step_prompt_tokens(model, prompts)
     for run in runs["alignflow"] + runs["trl"]:
         for i, s in enumerate(run["steps"]):
@@ -357,13 +352,12 @@ def step_prompt_tokens(model: Path, prompts: Path) -> list[int]:
 
 def flops_summary(runs: list[dict], warmup: int, d: dict, bound: dict) -> dict:
     """Median achieved GFLOP/s per phase over the measured steps, and its share of the bound at the side's
-    precision (`auto`: the higher of the two bounds)."""
+    resolved precision (fp32's bound for fp32, bf16's for bf16 and bf16-mixed)."""
     rates = [achieved(d, s, SHAPE["prompts"] * SHAPE["group_size"]) for r in runs for s in r["steps"][warmup:]]
     precision = runs[0]["precision"]
     out: dict = {"precision": precision, "gflops_per_s": {}, "share_of_bound": {}}
     for phase in ("generate", "update"):
-        key = max(("fp32", "bf16"), key=lambda k: bound[phase][k]) if precision == "auto" else \
-            "fp32" if precision == "fp32" else "bf16"
+        key = "fp32" if precision == "fp32" else "bf16"
         rate = statistics.median(r[phase] for r in rates)
         out["gflops_per_s"][phase] = round(rate, 2)
         out["share_of_bound"][phase] = round(rate / bound[phase][key], 3)
