@@ -29,6 +29,9 @@ ENVIRONMENT = {
     "ALIGNFLOW_ARTIFACT_LOCK": "`lease` (default): one run of a stage at a time on any machine; `none` when only "
                                "one run writes at a time on a backend that cannot create a file only if absent",
     "ALIGNFLOW_LOCK_LEASE_S": "seconds after its last heartbeat that a dead run's stage lock may be taken (120)",
+    "ALIGNFLOW_AUTO_PRECISION": "`fp32` or `bf16-mixed`: what `precision: auto` resolves to, without probing the "
+                                "hardware (the test suite sets `fp32`, so its exact comparisons agree on every "
+                                "CPU); unset: auto decides",
     "ALIGNFLOW_OWN_PROCESS_GROUP": "internal: set beside RANK, WORLD_SIZE and MASTER_* when alignflow formed a "
                                    "one-process group itself, so processes started from it do not take them for a "
                                    "launcher's; not for users",
