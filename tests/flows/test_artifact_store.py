@@ -256,13 +256,15 @@ def test_a_dead_owners_lock_is_taken_once_its_lease_expires(tmp_path, monkeypatc
 
 def test_a_live_lease_is_renewed_past_its_length_and_a_stalled_owner_loses_the_lock(tmp_path):
     fs, folder = fsspec.filesystem("file"), str(tmp_path / "s" / "d1.lock")
-    holder = LeaseLock(fs, folder, "s/d1", lease_s=0.6)
+    # 1.5 s leases: the heartbeat renews several times a lease, so a loaded machine's scheduling delays
+    # (0.6 s leases were lost under a parallel test run) do not break a live lock
+    holder = LeaseLock(fs, folder, "s/d1", lease_s=1.5)
     holder.acquire()
     taken = []
-    contender = threading.Thread(target=lambda: (LeaseLock(fs, folder, "s/d1", 0.6).acquire(),
+    contender = threading.Thread(target=lambda: (LeaseLock(fs, folder, "s/d1", 1.5).acquire(),
                                                  taken.append(time.time())))
     contender.start()
-    time.sleep(1.8)  # three leases: the heartbeat keeps it
+    time.sleep(4.5)  # three leases: the heartbeat keeps it
     assert not taken
     released = time.time()
     holder.release()
