@@ -53,7 +53,7 @@ class GenerativeVerifier:
         """P(yes) / (P(yes) + P(no)) after each sequence and the verdicts' common prefix, batched."""
         import torch
 
-        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.batching import pad
 
         out: list[float] = []
         for lo in range(0, len(seqs), self.config.batch_size):
@@ -71,7 +71,7 @@ class GenerativeVerifier:
         """`votes` sampled rationales per context, in order (context 0's first), each cut before its verdict."""
         import torch
 
-        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.batching import pad
 
         c = self.config
         keep = max(1, c.max_length - c.max_new_tokens - len(self.prefix) - 1)

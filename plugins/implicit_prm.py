@@ -179,7 +179,7 @@ class ImplicitProcessReward:
     @torch.inference_mode()
     def log_ratios(self, chunk: list[Scoring]) -> torch.Tensor:
         """log pi(y_t | .) - log pi_ref(y_t | .) at each completion token of the chunk [B, T], 0 elsewhere."""
-        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.batching import pad
         from alignflow.core.train.models import token_logprobs
 
         ids = pad([s.ids for s in chunk], self.tokenizer.pad_token_id).to(self.device)

@@ -54,7 +54,7 @@ class ProcessReward:
         """P(step correct) for each step of each completion, `batch_size` completions at a time."""
         import torch
 
-        from alignflow.core.train.datasets import pad
+        from alignflow.core.train.batching import pad
         from alignflow.core.train.steps import split_steps, step_pieces, step_sequence
         from alignflow.core.train.models import token_values
 

@@ -1,4 +1,4 @@
-"""Datasets: load and validate JSONL, Parquet or hub datasets; tokenise with prompt masking; collate.
+"""Datasets: load and validate JSONL, Parquet or hub datasets; tokenise with prompt masking.
 
 Validation errors read `path:ROW: field 'x': expected str, got int`, ROW being the 1-based
 line of a JSONL file (the row number elsewhere), because datasets' own errors name neither.
@@ -10,13 +10,10 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from alignflow.core.errors import DataError
 from alignflow.core.train.steps import step_pieces, step_sequence
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +125,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
             yield line_no, value
 
 
-def validate_jsonl(path: Path, schema: str) -> int:
-    """One fast pass over a JSONL file; raises DataError at the first bad line. Returns the row count."""
+def validate_jsonl(path: Path, schema: str, into: list | None = None) -> int:
+    """One fast pass over a JSONL file; raises DataError at the first bad line. Returns the row count; the
+    rows are appended to `into` if given."""
     if schema not in SCHEMAS:
         raise DataError(f"unknown schema {schema!r}: expected one of {', '.join(SCHEMAS)}")
     rows = 0
@@ -138,6 +136,8 @@ def validate_jsonl(path: Path, schema: str) -> int:
         if problem:
             raise DataError(f"{path}:{line_no}: {problem}")
         rows += 1
+        if into is not None:
+            into.append(row)
     if rows == 0:
         raise DataError(f"{path}: empty dataset: no rows")
     return rows
@@ -173,6 +173,18 @@ def load_rows(source: str | Path, schema: str, *, split: str = "train", name: st
         ds, where = load_dataset(str(source), name, split=split, cache_dir=cache_dir), f"{source}[{split}]"
     _validate_rows(where, (row for batch in ds.iter(batch_size=1024) for row in _unbatch(batch)), schema)
     return ds
+
+
+def read_rows(source: str | Path, schema: str) -> list[dict]:
+    """`load_rows(...).to_list()`, for a .jsonl file without `datasets` (~100 MB of imports and an Arrow table
+    in a stage that only iterates the rows); keys a row lacks are None, as in Arrow's table."""
+    path = Path(source)
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return load_rows(source, schema).to_list()
+    rows: list[dict] = []
+    validate_jsonl(path, schema, into=rows)
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return [row if len(row) == len(keys) else {k: row.get(k) for k in keys} for row in rows]
 
 
 def _unbatch(batch: dict[str, list]) -> Iterable[dict]:
@@ -361,37 +373,3 @@ def tokenize(ds, tokenizer, max_length: int, kind: str = "sft", *, step_separato
              stats["rows"], kind, max_length, stats["truncated"], stats["dropped"])
     kept = mapped.filter(lambda s: s != DROPPED, input_columns="_status") if stats["dropped"] else mapped
     return kept.remove_columns("_status"), stats
-
-
-# --- batching ---------------------------------------------------------------------------------
-
-def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
-    """Pad to the longest sequence given (not to a fixed length), on the left or right."""
-    import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch
-
-    longest = max(len(s) for s in seqs)
-    if side == "left":
-        return torch.tensor([[value] * (longest - len(s)) + list(s) for s in seqs])
-    return torch.tensor([list(s) + [value] * (longest - len(s)) for s in seqs])
-
-
-def collate(rows: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, Any]:
-    """A micro-batch padded to its own longest sequence; `X_input_ids` also yields `X_attention_mask`."""
-    import torch
-
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    out: dict[str, Any] = {}
-    for key in rows[0]:
-        values = [r[key] for r in rows]
-        if isinstance(values[0], list):  # token-aligned columns
-            fill = IGNORE_INDEX if key.endswith("labels") else pad_token_id
-            out[key] = pad(values, fill, padding_side)
-            if key.endswith("input_ids"):
-                mask = [[1] * len(v) for v in values]
-                out[key[: -len("input_ids")] + "attention_mask"] = pad(mask, 0, padding_side)
-        elif isinstance(values[0], (bool, int, float)):
-            out[key] = torch.tensor(values)
-        else:
-            out[key] = values
-    return out

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,22 @@ import torch.distributed as dist
 if not torch.cuda.is_available():  # choose DeepSpeed's CPU accelerator before it is imported (DeepSpeed reads it)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed  # noqa: E402
+
+def _import_deepspeed():
+    """DeepSpeed without MLflow: its autotuner (never run here) imports MLflow when installed, ~125 MB and 0.7 s in
+    every process that trains, while a stage's child process and its ranks log through the pipeline's process."""
+    hidden = "mlflow" not in sys.modules
+    if hidden:
+        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed reads that as not installed
+    try:
+        import deepspeed
+    finally:
+        if hidden:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
+deepspeed = _import_deepspeed()
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from alignflow.core.train import checkpoint, own_group, precision  # noqa: E402

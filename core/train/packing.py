@@ -24,7 +24,16 @@ from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logit
 
 log = logging.getLogger(__name__)
 
+CPU_ROWS = 4  # packed rows on a CPU come in multiples of this (pack_shape)
 PACK_WIDTH = 256  # tokens per packed row at least (on a GPU): attention over it costs little beside the matmuls
+
+
+def pack_shape(model) -> tuple[int, int]:
+    """(width, row multiple) of the packed rows. On a CPU the rows are padded to a multiple of CPU_ROWS: the CPU's
+    matmul library (oneDNN) builds and keeps kernels for each matrix shape it meets (~0.5 MB each here, ~13 per
+    row count), so a row count free to take any value grew a stage's memory by ~110 MB over 10 steps and spent
+    time building kernels; padded, the tiny model's step took less time, not more."""
+    return pack_width(model), 1 if _on_gpu(model) else CPU_ROWS
 
 
 def pack_width(model) -> int:
@@ -33,11 +42,15 @@ def pack_width(model) -> int:
     kernels make that small at PACK_WIDTH; on a CPU W = H/2 holds it near 8% (tiny model: 64, not 256:
     its packed update ran 1.2-1.5x slower at 256 than unpacked). Groups longer than W are split into units
     that each hold a copy of the prompt."""
-    model = getattr(model, "module", model)  # a DeepSpeed engine's module
-    if next(model.parameters()).device.type != "cpu":
+    if _on_gpu(model):
         return PACK_WIDTH
     hidden = getattr(getattr(model, "config", None), "hidden_size", 2 * PACK_WIDTH)
     return max(32, min(PACK_WIDTH, hidden // 2))
+
+
+def _on_gpu(model) -> bool:
+    model = getattr(model, "module", model)  # a DeepSpeed engine's module
+    return next(model.parameters()).device.type != "cpu"
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -90,9 +103,11 @@ def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: 
     return units
 
 
-def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None, width: int = PACK_WIDTH) -> Layout:
-    """Pack the rows in rows of `width` tokens (wider where one sequence is); with `prompts` (each row's
-    prompt length) rows with equal prompts share one copy per unit of at most `width` tokens."""
+def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None, width: int = PACK_WIDTH,
+           row_multiple: int = 1) -> Layout:
+    """Pack the rows in rows of `width` tokens (wider where one sequence is), a multiple of `row_multiple` rows;
+    with `prompts` (each row's prompt length) rows with equal prompts share one copy per unit of at most `width`
+    tokens."""
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
@@ -101,6 +116,7 @@ def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None,
     sizes = [p + sum(lengths[b] - p for b in u) for u, p in zip(units, shared)]
     W = max(max(sizes), width)
     bins = pack_rows(sizes, W)
+    bins += [[] for _ in range(-len(bins) % row_multiple)]  # empty rows: each one causal sequence of padding
     src, dst, pos, unit_of, seg = [], [], [], [], []
     at = torch.full((B * T,), -1, dtype=torch.long)
     for r, members in enumerate(bins):
@@ -153,7 +169,7 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
         start = attention_mask.int().argmax(-1)
         first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + start)
         prompts = (first - start).tolist()
-    lay = layout(input_ids, attention_mask, prompts, pack_width(model))
+    lay = layout(input_ids, attention_mask, prompts, *pack_shape(model))
     packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=device)
     packed[lay.target] = input_ids.reshape(-1)[lay.source]
     kwargs = dict(position_ids=lay.positions.view(lay.rows, lay.width), use_cache=False)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from alignflow.core import seeds
 from alignflow.core.task.constitution import draw_principles, read_principles
-from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.datasets import read_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.sampling import Generation
 from alignflow.core.spec.settings import critique_rows
@@ -98,7 +98,7 @@ def run_critique_revise(ctx: StageContext) -> StageResult:
         raise SpecError(f"stage {ctx.name!r}, settings.keep: 'improved' compares the rewards' scores of the "
                         "revision and the original; list at least one reward in the stage, or keep: all")
     principles = read_principles(ctx.inputs["constitution"])
-    rows = load_rows(ctx.inputs["dataset"], critique_rows(bool(ctx.spec.rewards))).to_list()
+    rows = read_rows(ctx.inputs["dataset"], critique_rows(bool(ctx.spec.rewards)))
     rewards = reward_set(ctx) if ctx.spec.rewards else None
     if ctx.spec.sampler is None:  # parse_spec fills it in; a spec built by hand may not have
         ctx = dataclasses.replace(ctx, spec=ctx.spec.model_copy(update={"sampler": PluginRef(name=DEFAULT_SAMPLER)}))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.datasets import read_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
@@ -80,7 +80,7 @@ def run_evaluate(ctx: StageContext) -> StageResult:
         if name not in names:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
-    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()[: s.limit]
+    rows = read_rows(ctx.inputs["dataset"], "prompt_answer")[: s.limit]
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True,
                                     episodes=episodes_of(ctx))

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from alignflow.core.errors import DataError
 from alignflow.core.spec.kinds import preference_rows
-from alignflow.core.train.datasets import IGNORE_INDEX, candidate, collate, truncate
+from alignflow.core.train.batching import collate
+from alignflow.core.train.datasets import IGNORE_INDEX, candidate, truncate
 from alignflow.core.train.engine import Engine, frozen
 from alignflow.core.train.adapters import AdaptersOff
 from alignflow.core.train.models import token_logprobs

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.train.datasets import IGNORE_INDEX, collate, load_rows
+from alignflow.core.train.batching import collate
+from alignflow.core.train.datasets import IGNORE_INDEX, load_rows
 from alignflow.core.train.engine import Engine
 from alignflow.core.train.offline import StepBatch
 from alignflow.flows.stages import StageContext, StageResult

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 
 from alignflow.core.errors import SpecError
-from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.datasets import read_rows
 from alignflow.core.train.dist import rank_and_world
 from alignflow.core.spec.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
@@ -93,7 +93,7 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     if ctx.spec.environment is not None and s.output != "sft":
         raise SpecError(f"stage {ctx.name!r}, settings.output: {s.output!r} writes single-turn pairs; with an "
                         "environment only `sft` (each prompt's best episode as a conversation) is supported")
-    rows = load_rows(ctx.inputs["dataset"], sampled_rows(s.output)).to_list()
+    rows = read_rows(ctx.inputs["dataset"], sampled_rows(s.output))
     with loaded_sampler(ctx) as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
                                     shard=True, episodes=episodes_of(ctx))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.train.datasets import collate, load_rows
+from alignflow.core.train.batching import collate
+from alignflow.core.train.datasets import load_rows
 from alignflow.core.train.engine import Engine
 from alignflow.core.train.offline import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult

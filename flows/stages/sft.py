@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from alignflow.core.train.datasets import collate
+from alignflow.core.train.batching import collate
 from alignflow.core.train.engine import Engine
 from alignflow.core.train.models import token_logprobs
 from alignflow.core.train.offline import TokenBatch

@@ -14,7 +14,7 @@ prompt are completed once. Rows: the prompt's columns, `completion`, `correct`, 
 from __future__ import annotations
 
 from alignflow.core import seeds
-from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.datasets import read_rows
 from alignflow.core.train.steps import split_steps
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
@@ -52,7 +52,7 @@ def witnessed(ok: bool, s) -> bool:
 def run_step_labels(ctx: StageContext) -> StageResult:
     """Sample solutions, complete their step prefixes, write labelled `steps` rows to `data.jsonl`."""
     s = ctx.settings
-    rows = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    rows = read_rows(ctx.inputs["dataset"], "prompt_answer")
     rewards = reward_set(ctx)
     with loaded_sampler(ctx, "model") as (sampler, tokenizer):
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import alignflow.plugins.bnf
-from alignflow.core.train.datasets import collate, load_rows, tokenize
+from alignflow.core.train.batching import collate
+from alignflow.core.train.datasets import load_rows, tokenize
 from alignflow.core.train.models import load_model, load_tokenizer
 from alignflow.core.plugins import Plugins
 from alignflow.core.train.offline import SequenceLogps, build_batch

@@ -16,7 +16,8 @@ import alignflow.plugins.dpo
 import alignflow.plugins.kto
 import alignflow.plugins.larpo
 import alignflow.plugins.orpo
-from alignflow.core.train.datasets import collate, load_rows, tokenize
+from alignflow.core.train.batching import collate
+from alignflow.core.train.datasets import load_rows, tokenize
 from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.plugins import Plugins
 from alignflow.core.spec.settings import TrainSettings

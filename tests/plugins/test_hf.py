@@ -133,15 +133,18 @@ def test_greedy_matches_transformers_generate(policy, engine):
 
 
 @ENGINES
-def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkeypatch, engine):
+@pytest.mark.parametrize("batch_step", [1, 4])
+def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkeypatch, engine, batch_step):
     """With many stop tokens rows end at different steps; dropping them from the batch (and their KV rows)
-    keeps every other row's log-probs those of a teacher-forced forward."""
+    keeps every other row's log-probs those of a teacher-forced forward. The batch shrinks to a multiple of
+    BATCH_STEP rows: stopped rows fill it, decoded and never recorded."""
     import alignflow.plugins.hf as hf
 
     model, tok = policy
     s = sampler(policy, engine=engine)
     s.stop_ids = set(range(0, len(tok), 3))  # a third of the vocabulary stops a row
     monkeypatch.setattr(hf, "COMPACT_AT", 0.01)  # drop stopped rows at every step
+    monkeypatch.setattr(hf, "BATCH_STEP", batch_step)
     from transformers import DynamicCache
 
     from alignflow.core.decoder import PackedDecoder
@@ -153,6 +156,7 @@ def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkey
     prompts = [tok.encode("12+3="), tok.encode("987-654=")]
     gen = s.generate(prompts, 6, GenerationSettings(max_new_tokens=12, temperature=1.0), seed=5)
     assert kept and kept == sorted(kept, reverse=True) and kept[-1] < 12  # the batch did shrink
+    assert all(k % batch_step == 0 for k in kept) and len(set(kept)) == len(kept)
     lengths = gen.lengths
     assert len(set(lengths)) > 2 and min(lengths) < 12  # rows did stop at different steps
     for i, ids in enumerate(gen.completion_ids):

@@ -189,7 +189,8 @@ def direct_log_ratios(prm, ref, ids):
 def test_the_sum_of_step_rewards_is_the_reward_the_preference_stage_trained(tiny_pair):
     from datasets import Dataset
 
-    from alignflow.core.train.datasets import collate, tokenize
+    from alignflow.core.train.batching import collate
+    from alignflow.core.train.datasets import tokenize
     from alignflow.flows.stages.preference import SequenceScorer
 
     path, ref = tiny_pair

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from alignflow.core import seeds
-from alignflow.core.train.datasets import pad
+from alignflow.core.train.batching import pad
 from alignflow.core.train.steps import token_ends
 from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.rl.algorithm import Rollout

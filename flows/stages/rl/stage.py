@@ -21,7 +21,7 @@ import torch
 from alignflow.core import seeds
 from alignflow.core.environments.episodes import Episodes
 from alignflow.core.train.adapters import AdaptersOff
-from alignflow.core.train.datasets import load_rows
+from alignflow.core.train.datasets import read_rows
 from alignflow.core.train.engine import Engine
 from alignflow.core.errors import SpecError
 from alignflow.core.train.models import token_logprobs
@@ -75,7 +75,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     check_ranks(ctx)
     if s.overlap_rollouts:
         check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
-    dataset = load_rows(ctx.inputs["dataset"], "prompt_answer").to_list()
+    dataset = read_rows(ctx.inputs["dataset"], "prompt_answer")
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)

@@ -3,8 +3,9 @@ import json
 import pytest
 import torch
 
+from alignflow.core.train.batching import collate, pad
 from alignflow.core.train.datasets import (
-    IGNORE_INDEX, check_row, collate, load_rows, pad, split_messages, tokenize, truncate,
+    IGNORE_INDEX, check_row, load_rows, read_rows, split_messages, tokenize, truncate,
 )
 from alignflow.core.spec.kinds import ranked_file
 from alignflow.core.train.steps import split_steps, step_sequence, step_spans
@@ -57,6 +58,20 @@ def test_empty_file_is_an_error_naming_it(tmp_path):
         load_rows(tmp_path / "empty.jsonl", "sft")
     with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
         load_rows(tmp_path / "missing.jsonl", "sft")
+
+
+def test_read_rows_gives_load_rows_rows_and_errors_without_datasets(tmp_path):
+    """The list `load_rows(...).to_list()` gives (a row's missing keys None, order kept), and its errors."""
+    rows = [{"prompt": "1+2=", "answer": "3", "id": 7}, {"answer": "4", "prompt": "2+2="},
+            {"prompt": "3+3=", "answer": "6", "note": "x"}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    assert read_rows(path, "prompt_answer") == load_rows(path, "prompt_answer", cache_dir=str(tmp_path)).to_list()
+    assert read_rows(path, "prompt_answer")[1] == {"prompt": "2+2=", "answer": "4", "id": None, "note": None}
+    _write(path, rows + [{"prompt": "1+1="}])
+    with pytest.raises(DataError, match=r"d\.jsonl:4: field 'answer': missing"):
+        read_rows(path, "prompt_answer")
+    with pytest.raises(DataError, match=r"missing\.jsonl: no such file"):
+        read_rows(tmp_path / "missing.jsonl", "prompt_answer")
 
 
 def test_row_checks_for_every_schema():

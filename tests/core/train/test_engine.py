@@ -260,3 +260,13 @@ def test_a_cpu_engine_compiles_no_deepspeed_op(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "shm_op None" in out.stdout
     assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").iterdir())
+
+
+@pytest.mark.system
+def test_deepspeed_is_imported_without_mlflow_which_stays_importable():
+    """DeepSpeed's autotuner imports MLflow when it is installed; a training process does not need it (a stage's
+    child process logs through the pipeline's), so the engine imports DeepSpeed without it."""
+    code = ("import sys; import alignflow.core.train.engine; print('mlflow' in sys.modules); "
+            "import mlflow; print(mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["False", "mlflow"]

@@ -153,3 +153,16 @@ def test_a_group_longer_than_the_width_splits_into_units_each_with_its_prompt(ti
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(model, ids, attn, labels, packed=True),
                                    token_logprobs(model, ids, attn, labels), atol=1e-5, rtol=0)
+
+
+def test_packed_rows_on_a_cpu_come_in_a_multiple_of_cpu_rows(tiny):
+    """Empty rows pad the packed batch to a multiple of CPU_ROWS (few matrix shapes for the CPU's matmul
+    library); the real tokens stay where they were, and the values stay the padded batch's (test above)."""
+    tok = load_tokenizer(tiny)
+    ids, attn, _ = group_batch(tok, "left")
+    prompts = [len(tok(p).input_ids) for p in ["12+7="] * 3 + ["3*4="] * 2 + ["12+8="]]
+    bare, padded = layout(ids, attn, prompts, width=9), layout(ids, attn, prompts, width=9, row_multiple=4)
+    assert (bare.rows, padded.rows) == (5, 8)
+    assert torch.equal(padded.at, bare.at) and torch.equal(padded.target, bare.target)
+    assert len(padded.positions) == 8 * padded.width and len(padded.unit) == 8 * padded.width
+    assert packing.pack_shape(load_model(tiny)) == (64, packing.CPU_ROWS) and packing.CPU_ROWS == 4

@@ -191,13 +191,14 @@ def test_rejection_sampling_keeps_each_prompts_best_episode_as_a_conversation(tm
     def ctx(output):
         spec = StageSpec(kind="rejection_sampling", inputs={"model": str(tiny), "dataset": str(data)},
                          environment=ECHO, sampler="hf")
-        settings = SampleSettings(n=2, output=output, generation={"max_new_tokens": 6, "temperature": 1.0})
+        settings = SampleSettings(n=4, output=output, generation={"max_new_tokens": 6, "temperature": 1.0})
         return StageContext("rs", spec, settings, {"model": tiny, "dataset": data}, tmp_path / "work",
                             tmp_path / "checkpoints", 0, lambda m, s: None, plugins)
 
     result = run_rejection_sampling(ctx("sft"))
     kept = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
-    # the odd prompts' episodes earn >= 1 (correct), the even ones' < 1
+    # the odd prompts' episodes earn >= 1 (correct) where a turn ends by its stop token (~2 in 3 of them
+    # do, so 4 samples a prompt), the even ones' < 1
     assert sorted(r["messages"][0]["content"] for r in kept) == ["1*1=", "3*3="]
     tok = load_tokenizer(tiny)
     for r in kept:

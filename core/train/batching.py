@@ -1,0 +1,41 @@
+"""Micro-batches: token lists padded to the longest one given, on the left or right."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from alignflow.core.train.datasets import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    import torch
+
+def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
+    """Pad to the longest sequence given (not to a fixed length), on the left or right."""
+    import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch
+
+    longest = max(len(s) for s in seqs)
+    if side == "left":
+        return torch.tensor([[value] * (longest - len(s)) + list(s) for s in seqs])
+    return torch.tensor([list(s) + [value] * (longest - len(s)) for s in seqs])
+
+
+def collate(rows: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, Any]:
+    """A micro-batch padded to its own longest sequence; `X_input_ids` also yields `X_attention_mask`."""
+    import torch
+
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    out: dict[str, Any] = {}
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        if isinstance(values[0], list):  # token-aligned columns
+            fill = IGNORE_INDEX if key.endswith("labels") else pad_token_id
+            out[key] = pad(values, fill, padding_side)
+            if key.endswith("input_ids"):
+                mask = [[1] * len(v) for v in values]
+                out[key[: -len("input_ids")] + "attention_mask"] = pad(mask, 0, padding_side)
+        elif isinstance(values[0], (bool, int, float)):
+            out[key] = torch.tensor(values)
+        else:
+            out[key] = values
+    return out
