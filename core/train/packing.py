@@ -42,15 +42,19 @@ def pack_width(model) -> int:
     kernels make that small at PACK_WIDTH; on a CPU W = H/2 holds it near 8% (tiny model: 64, not 256:
     its packed update ran 1.2-1.5x slower at 256 than unpacked). Groups longer than W are split into units
     that each hold a copy of the prompt."""
+    model = _unwrap(model)
     if _on_gpu(model):
         return PACK_WIDTH
     hidden = getattr(getattr(model, "config", None), "hidden_size", 2 * PACK_WIDTH)
     return max(32, min(PACK_WIDTH, hidden // 2))
 
 
+def _unwrap(model):
+    return getattr(model, "module", model)  # a DeepSpeed engine's module
+
+
 def _on_gpu(model) -> bool:
-    model = getattr(model, "module", model)  # a DeepSpeed engine's module
-    return next(model.parameters()).device.type != "cpu"
+    return next(_unwrap(model).parameters()).device.type != "cpu"
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:

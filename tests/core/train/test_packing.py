@@ -1,5 +1,7 @@
 """Packed forwards where rows share their prompt (a GRPO group): one copy of the prompt, the padded batch's numbers."""
 
+import types
+
 import pytest
 import torch
 
@@ -165,4 +167,7 @@ def test_packed_rows_on_a_cpu_come_in_a_multiple_of_cpu_rows(tiny):
     assert (bare.rows, padded.rows) == (5, 8)
     assert torch.equal(padded.at, bare.at) and torch.equal(padded.target, bare.target)
     assert len(padded.positions) == 8 * padded.width and len(padded.unit) == 8 * padded.width
-    assert packing.pack_shape(load_model(tiny)) == (64, packing.CPU_ROWS) and packing.CPU_ROWS == 4
+    model = load_model(tiny)
+    assert packing.pack_shape(model) == (64, packing.CPU_ROWS) and packing.CPU_ROWS == 4
+    engine = types.SimpleNamespace(module=model)  # what the stage passes: DeepSpeed's engine, the model inside
+    assert packing.pack_shape(engine) == packing.pack_shape(model)  # H/2 = 64 on the tiny model, not 256
