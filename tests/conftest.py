@@ -17,6 +17,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # fixtures' processes too, which start before any function-scoped fixture runs
 AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.core.train.precision.AUTO_ENV
 os.environ[AUTO_PRECISION_ENV] = "fp32"
+# and `overlap_rollouts: auto` stays off (see `auto_overlap_is_off`)
+AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # alignflow.flows.stages.rl.setup.AUTO_OVERLAP_ENV
+os.environ[AUTO_OVERLAP_ENV] = "false"
 
 import multiprocessing.process  # noqa: E402
 import subprocess  # noqa: E402
@@ -83,6 +86,18 @@ def auto_precision_is_fp32(request, monkeypatch):
         monkeypatch.delenv(AUTO_PRECISION_ENV, raising=False)
     else:
         monkeypatch.setenv(AUTO_PRECISION_ENV, "fp32")
+
+
+@pytest.fixture(autouse=True)
+def auto_overlap_is_off(request, monkeypatch):
+    """`overlap_rollouts: auto` (the rl stage's default) stays off: with the tests' one torch thread on a machine
+    of two or more cores it would overlap every rl test's rollouts, one step off-policy, and the tests that
+    compare exact numbers assume the synchronous stage. ALIGNFLOW_AUTO_OVERLAP=false is inherited by child
+    processes; a test marked `overlap_auto` gets the real choice."""
+    if request.node.get_closest_marker("overlap_auto"):
+        monkeypatch.delenv(AUTO_OVERLAP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(AUTO_OVERLAP_ENV, "false")
 
 
 @pytest.fixture(autouse=True)

@@ -198,7 +198,9 @@ class RLSettings(PolicySettings):
     pack_sequences: bool = True
     # Generate the next step's first round in a worker process (with `overlap_threads` torch threads)
     # while this step scores and trains: one-step off-policy, pi_old is the generating weights' log-probs.
-    overlap_rollouts: bool = False
+    # auto: on where the worker gets cores of its own beside the stage's torch threads (on a CPU, one process,
+    # an in-process sampler such as `hf`, ZeRO 0-2); the manifest records what ran.
+    overlap_rollouts: bool | Literal["auto"] = "auto"
     overlap_threads: int = Field(1, ge=1)
     # How each step's prompts are drawn. "epochs": a seeded permutation per pass over the data, every prompt
     # once per pass. "prioritized": with probability proportional to 1 - s_i, s_i the success rate of prompt i

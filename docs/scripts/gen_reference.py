@@ -32,6 +32,8 @@ ENVIRONMENT = {
     "ALIGNFLOW_AUTO_PRECISION": "`fp32` or `bf16-mixed`: what `precision: auto` resolves to, without probing the "
                                 "hardware (the test suite sets `fp32`, so its exact comparisons agree on every "
                                 "CPU); unset: auto decides",
+    "ALIGNFLOW_AUTO_OVERLAP": "`false`: `overlap_rollouts: auto` stays off (the test suite sets it, so its exact "
+                              "comparisons see the synchronous rl stage); unset: auto decides",
     "ALIGNFLOW_OWN_PROCESS_GROUP": "internal: set beside RANK, WORLD_SIZE and MASTER_* when alignflow formed a "
                                    "one-process group itself, so processes started from it do not take them for a "
                                    "launcher's; not for users",

@@ -10,6 +10,7 @@ a file of its own: rl_guided, rl_replay, rl_costs, rl_state, rl_params.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -36,8 +37,8 @@ from alignflow.flows.stages.rl.params import attach_parameters, detach_parameter
 from alignflow.flows.stages.rl.prompts import PromptDraw
 from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, restore, with_replayed
 from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, completion_budget, rollout_metrics, to_batch
-from alignflow.flows.stages.rl.setup import (check_overlap, engines, load_reference, load_teacher,
-                                             minibatches_per_rollout, process_reward, rl_steps)
+from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teacher, minibatches_per_rollout,
+                                             overlap_choice, process_reward, rl_steps)
 from alignflow.flows.stages.rl.state import checkpoint_state, resume
 from alignflow.flows.stages.rl.update import critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import episodes_of, reward_set
@@ -45,6 +46,8 @@ from alignflow.flows.stages.training import load_model_for, load_policy, load_to
     save_pretrained
 
 __all__ = ["check_ranks", "rl_steps", "run_rl"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,8 +76,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
-    if s.overlap_rollouts:
-        check_overlap(ctx, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    overlap, why = overlap_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    log.info("stage %r: overlapped rollouts %s (%s)", ctx.name, "on" if overlap else "off", why)
     dataset = read_rows(ctx.inputs["dataset"], "prompt_answer")
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
@@ -91,7 +94,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
-    if s.overlap_rollouts:
+    if overlap:
         sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
@@ -152,7 +155,9 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
     headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())
+    overlapped = {"overlap_rollouts": isinstance(p.sampler, Overlapped), "overlap_setting": s.overlap_rollouts}
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline,
+                       fingerprint={**engine.fingerprint(), **overlapped})
 
 
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:

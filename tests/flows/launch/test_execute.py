@@ -67,3 +67,20 @@ def test_a_failed_stage_run_is_tagged_with_the_fingerprint(tmp_path, make_projec
     run = tracker.client.search_runs([tracker.experiment_id], "tags.`alignflow.status` = 'failed'")[0]
     assert run.data.tags["alignflow.fp.torch"] == torch.__version__
     assert "ZeroDivisionError" in run.data.tags["alignflow.error"]
+
+
+@pytest.mark.parametrize("parallel, expected", [(1, "auto"), (2, False)])
+def test_stages_side_by_side_keep_auto_overlap_off(monkeypatch, tmp_path, parallel, expected):
+    """Two training stages at once share the cores: neither has one spare for a rollout worker, so `auto` is off."""
+    from alignflow.core.spec.schema import StageSpec
+    from alignflow.core.spec.settings import RLSettings
+    from alignflow.flows.launch import execute
+    from alignflow.flows.stages import StageContext
+
+    seen = []
+    monkeypatch.setitem(execute.RUNNERS, "rl", lambda ctx: seen.append(ctx.settings.overlap_rollouts))
+    spec = StageSpec(kind="rl", inputs={"model": "m", "dataset": "d.jsonl"}, algorithm="grpo")
+    ctx = StageContext("rl", spec, RLSettings(), {}, tmp_path / "work", tmp_path / "checkpoints", 0,
+                       lambda m, s: None, get_plugins())
+    execute.call_runner("rl", ctx, [], RunOptions(parallel=parallel))
+    assert seen == [expected]

@@ -89,3 +89,50 @@ def test_overlap_refuses_what_it_cannot_copy(tmp_path, plugins, tiny, settings, 
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, overlap_rollouts=True, **settings)
     with pytest.raises(SpecError, match=message):
         run_rl(ctx)
+
+
+@pytest.mark.overlap_auto
+@pytest.mark.parametrize("settings, sampler, env, threads, on, why", [
+    ({}, "hf", {}, 1, True, "auto: 1 of 2 cores spare, the worker takes 1"),
+    ({}, "hf", {}, 2, False, "auto: no spare core: 2 torch threads on 2 cores"),
+    ({"overlap_threads": 2}, "hf", {}, 1, False, "auto: no spare core: 1 torch threads on 2 cores"),
+    ({"zero_stage": 3}, "hf", {}, 1, False, "auto: ZeRO-3 shards"),
+    ({}, "vllm", {}, 1, False, "auto: sampler 'vllm' runs an engine of its own"),
+    ({"recompute_old_logprobs": True}, "hf", {}, 1, False, "auto: recompute_old_logprobs"),
+    ({}, "hf", {"WORLD_SIZE": "2"}, 1, False, "auto: 2 processes"),
+    ({}, "hf", {"ALIGNFLOW_AUTO_OVERLAP": "false"}, 1, False, "auto: ALIGNFLOW_AUTO_OVERLAP"),
+    ({"overlap_rollouts": False}, "hf", {}, 1, False, "set"),
+    ({"overlap_rollouts": True}, "hf", {}, 2, True, "set"),
+])
+def test_auto_overlaps_only_where_the_worker_gets_a_core_of_its_own(tmp_path, plugins, tiny, monkeypatch, settings,
+                                                                    sampler, env, threads, on, why):
+    """On a machine of 2 cores: a stage on 1 torch thread leaves one to the worker; on 2 it leaves none (a
+    worker beside it would take the trainer's core), and what cannot overlap (ZeRO-3, an engine of its own,
+    pi_old recomputed, several ranks) stays synchronous."""
+    from alignflow.core.rl.algorithm import RLAlgorithm
+    from alignflow.flows.stages.rl.setup import overlap_choice
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, **settings)
+    algo = plugins.algorithms.get("grpo")()
+    got, reason = overlap_choice(ctx, algo, plugins.samplers.get(sampler))
+    assert got is on and reason.startswith(why)
+    monkeypatch.setattr(RLAlgorithm, "needs_old_logprobs", False)
+    if settings.get("overlap_rollouts") is None and on:  # an algorithm without a ratio to pi_old: no lag allowed
+        assert overlap_choice(ctx, algo, plugins.samplers.get(sampler)) == (
+            False, "auto: algorithm 'grpo' takes no ratio to pi_old")
+
+
+@pytest.mark.system
+@pytest.mark.overlap_auto
+def test_the_default_overlaps_where_a_core_is_spare_and_the_manifest_says_so(tmp_path, plugins, tiny, one_thread,
+                                                                              monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    result, log = run(tmp_path, plugins, tiny, max_steps=3)
+    assert [m["rollout/staleness"] for m in log] == [0.0, 1.0, 1.0]
+    assert (result.fingerprint["overlap_rollouts"], result.fingerprint["overlap_setting"]) == (True, "auto")
