@@ -34,7 +34,7 @@ BATCH_STEP = 16  # a compacted batch keeps a multiple of this many rows (stopped
 def compacted(running: torch.Tensor) -> torch.Tensor:
     """The batch rows to keep: the running ones, and stopped ones up to a multiple of BATCH_STEP rows. Batch sizes
     then come from a short list: the CPU's matmul library (oneDNN) builds and keeps kernels for each matrix shape
-    it meets (~0.5 MB each here), which grew a stage's memory by ~100 MB over 10 steps when every batch size could
+    it meets (~0.5 MB each here), which grew a stage's memory by ~80 MB over 10 steps when every batch size could
     occur. A stopped row kept is decoded and never recorded."""
     alive = int(running.sum())
     size = min(len(running), -(-alive // BATCH_STEP) * BATCH_STEP)

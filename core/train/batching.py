@@ -9,6 +9,7 @@ from alignflow.core.train.datasets import IGNORE_INDEX
 if TYPE_CHECKING:
     import torch
 
+
 def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
     """Pad to the longest sequence given (not to a fixed length), on the left or right."""
     import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch

@@ -31,8 +31,8 @@ PACK_WIDTH = 256  # tokens per packed row at least (on a GPU): attention over it
 def pack_shape(model) -> tuple[int, int]:
     """(width, row multiple) of the packed rows. On a CPU the rows are padded to a multiple of CPU_ROWS: the CPU's
     matmul library (oneDNN) builds and keeps kernels for each matrix shape it meets (~0.5 MB each here, ~13 per
-    row count), so a row count free to take any value grew a stage's memory by ~110 MB over 10 steps and spent
-    time building kernels; padded, the tiny model's step took less time, not more."""
+    row count), so a row count free to take any value grew a stage's memory by ~90 MB over 10 steps and spent
+    time building kernels; padded, the tiny model's step took no longer."""
     return pack_width(model), 1 if _on_gpu(model) else CPU_ROWS
 
 
