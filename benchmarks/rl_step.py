@@ -60,7 +60,7 @@ def padded_to(width: int):
 def context(args, out: Path, **settings) -> StageContext:
     s = RLSettings(prompts_per_step=16, group_size=8, micro_batch_size=32, lr=0.0, max_steps=args.steps + 1,
                    generation={"max_new_tokens": 48, "temperature": 1.0}, save_every=10**6, dtype=args.dtype,
-                   zero_stage=args.zero, **settings)
+                   zero_stage=args.zero, **{"overlap_rollouts": False, **settings})  # the synchronous step
     inputs = {"model": args.model, "dataset": args.dataset}
     spec = StageSpec(kind="rl", inputs=inputs, algorithm=args.algorithm, rewards=["math_accuracy"], sampler="hf")
     model = args.model if args.model.startswith("builtin:") else Path(args.model)

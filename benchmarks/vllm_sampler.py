@@ -58,7 +58,8 @@ def rl_steps(model: Path, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("hf", "vllm"):
             s = RLSettings(prompts_per_step=16, group_size=8, micro_batch_size=32, lr=0.0, max_steps=steps + 1,
-                           generation={"max_new_tokens": 48, "temperature": 1.0}, save_every=10**6)
+                           generation={"max_new_tokens": 48, "temperature": 1.0}, save_every=10**6,
+                           overlap_rollouts=False)
             spec = StageSpec(kind="rl", inputs={"model": str(model), "dataset": "data/rl.jsonl"}, algorithm="grpo",
                              rewards=["math_accuracy"], sampler=name)
             work = Path(tmp) / name

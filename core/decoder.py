@@ -70,10 +70,8 @@ class Layer:
         self.down = cast(m.down_proj.weight.T)
         self.norm1 = layer.input_layernorm.weight.detach().float()
         self.norm2 = layer.post_attention_layernorm.weight.detach().float()
-        self.q_norm = getattr(a, "q_norm", None)
-        self.k_norm = getattr(a, "k_norm", None)
-        if self.q_norm is not None:
-            self.q_norm, self.k_norm = self.q_norm.weight.detach().float(), self.k_norm.weight.detach().float()
+        norms = [getattr(a, name, None) for name in ("q_norm", "k_norm")]  # Qwen3's per-head norms
+        self.q_norm, self.k_norm = (None, None) if norms[0] is None else [n.weight.detach().float() for n in norms]
 
 
 class PackedDecoder:

@@ -64,6 +64,7 @@ class HFSampler(Sampler):
         self.model, self.tokenizer = model, tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
+        self._said = False  # the fallback to transformers' forward is logged once
 
     def update_weights(self, model) -> None:
         """On CPU the trainer updates the very module we generate with: nothing to copy."""
@@ -84,7 +85,7 @@ class HFSampler(Sampler):
         self.model.eval()
         generator = torch.Generator(self.model.device).manual_seed(seed)
         completions, truncated, logprobs = [], [], []
-        step = max(1, self.rows_per_call([ids for ids in prompt_ids], gen) // n)  # prompts per call
+        step = max(1, self.rows_per_call(prompt_ids, gen) // n)  # prompts per call
         packed = self.packed()
         try:
             for lo in range(0, len(prompt_ids), step):
@@ -108,7 +109,7 @@ class HFSampler(Sampler):
         if why is not None:
             if c.engine == "packed":
                 raise ValueError(f"sampler hf: engine packed cannot run this model: {why}")
-            if not getattr(self, "_said", False):
+            if not self._said:
                 log.info("hf sampler: transformers' forward decodes (%s)", why)
                 self._said = True
             return None
