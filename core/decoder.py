@@ -95,6 +95,7 @@ class PackedDecoder:
         self.lm_bias = None if model.lm_head.bias is None else model.lm_head.bias.detach().to(dtype)
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
         self.inv_freq = 1.0 / rope_theta(c) ** half
+        self.sign = torch.cat([-torch.ones(len(half)), torch.ones(len(half))])
         self.device = self.embed.device
 
     def rms(self, x: Tensor, weight: Tensor) -> Tensor:
@@ -102,15 +103,15 @@ class PackedDecoder:
         return F.rms_norm(x.float(), weight.shape, weight, self.eps).to(self.dtype)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [..., 1, head_dim] for `positions` [...] (broadcast over heads)."""
+        """cos and signed sin [..., 1, head_dim] for `positions` [...] (broadcast over heads): the first half of
+        sin negated, so `rotate` swaps the halves with one `roll` (rotate_half(x) * sin = roll(x) * signed sin)."""
         angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], -1)[..., None, :]
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        return angles.cos().to(self.dtype), (angles.sin() * self.sign).to(self.dtype)
 
     @staticmethod
-    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+    def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
     def project(self, layer: Layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, H] -> q [B, T, heads, D], k, v [B, T, kv_heads, D], q and k rotated."""
@@ -125,11 +126,12 @@ class PackedDecoder:
 
     def mlp(self, layer: Layer, x: Tensor) -> Tensor:
         gate, up = (self.rms(x, layer.norm2) @ layer.gate_up).chunk(2, -1)
-        return x + (F.silu(gate) * up) @ layer.down
+        return torch.addmm(x.flatten(0, 1), (F.silu(gate) * up).flatten(0, 1), layer.down).view_as(x)
 
     def out(self, layer: Layer, x: Tensor, attn: Tensor) -> Tensor:
-        o = attn @ layer.o
-        return x + (o if layer.o_bias is None else o + layer.o_bias)
+        if layer.o_bias is not None:
+            return x + (attn @ layer.o + layer.o_bias)
+        return torch.addmm(x.flatten(0, 1), attn.flatten(0, 1), layer.o).view_as(x)  # the residual in the matmul
 
     def logits(self, x: Tensor) -> Tensor:
         h = self.rms(x, self.norm) @ self.lm_head
@@ -171,16 +173,16 @@ class PackedDecoder:
         t, D, g = self.filled, self.head_dim, self.heads // self.kv_heads
         cos, sin = self.rotary(self.positions[:, None])
         x = F.embedding(tokens[:, None], self.embed)
-        bias = self.bias[:, None, None, : t + 1]
-        B = len(tokens)
+        B, kv = len(tokens), self.kv_heads
+        bias = self.bias[:, None, None, : t + 1].expand(B, kv, 1, t + 1).reshape(B * kv, 1, t + 1)  # every layer's
         for i, layer in enumerate(self.layers):
             q, k, v = self.project(layer, self.rms(x, layer.norm1), cos, sin)
             self.k[i][:, :, t] = k[:, 0]
             self.v[i][:, :, t] = v[:, 0]
-            keys, values = self.k[i][:, :, : t + 1], self.v[i][:, :, : t + 1]  # [B, kv, t+1, D]
-            q = q.view(B, self.kv_heads, g, D).float()  # the g query heads that share each kv head
-            scores = torch.matmul(q, keys.transpose(-1, -2)) * D ** -0.5 + bias
-            attn = torch.matmul(scores.softmax(-1), values)  # [B, kv, g, D]
+            keys, values = self.k[i][:, :, : t + 1].flatten(0, 1), self.v[i][:, :, : t + 1].flatten(0, 1)
+            q = q.reshape(B * kv, g, D).float()  # the g query heads that share each kv head, [B * kv, g, D]
+            scores = torch.baddbmm(bias, q, keys.transpose(-1, -2), alpha=D ** -0.5)  # scaled, masked: one op
+            attn = torch.bmm(scores.softmax(-1), values)  # [B * kv, g, D]
             x = self.mlp(layer, self.out(layer, x, attn.reshape(B, 1, -1).to(self.dtype)))
         self.positions = self.positions + 1
         self.filled = t + 1

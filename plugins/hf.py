@@ -135,8 +135,7 @@ class HFSampler(Sampler):
             logits, forward, keep = self.transformers_loop(ids, mask)
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)
-            tokens[here[running], t] = token[running]
-            chosen_lp[here[running], t] = lp[running]
+            tokens[here, t], chosen_lp[here, t] = token, lp  # a stopped row's later tokens: cut by cut_at_stop
             running &= ~torch.isin(token, stops)
             alive = int(running.sum())
             if alive == 0 or t == T - 1:
@@ -181,7 +180,7 @@ class HFSampler(Sampler):
         if gen.temperature == 0:
             token = logits.argmax(-1)
             return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
-        logp = torch.log_softmax(logits / gen.temperature, -1)
+        logp = torch.log_softmax(logits if gen.temperature == 1 else logits / gen.temperature, -1)
         probs = logp.exp()
         if gen.top_p < 1.0:
             sorted_p, order = probs.sort(-1, descending=True)
