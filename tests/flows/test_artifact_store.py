@@ -256,15 +256,24 @@ def test_a_dead_owners_lock_is_taken_once_its_lease_expires(tmp_path, monkeypatc
 
 def test_a_live_lease_is_renewed_past_its_length_and_a_stalled_owner_loses_the_lock(tmp_path):
     fs, folder = fsspec.filesystem("file"), str(tmp_path / "s" / "d1.lock")
-    # 1.5 s leases: the heartbeat renews several times a lease, so a loaded machine's scheduling delays
-    # (0.6 s leases were lost under a parallel test run) do not break a live lock
+    # Renewed: the heartbeat pushes the expiry past the first lease. No contender waits here, so a loaded
+    # machine's late heartbeat only delays a renewal (waited for up to a minute) and cannot lose the lock.
     holder = LeaseLock(fs, folder, "s/d1", lease_s=1.5)
     holder.acquire()
+    first, deadline = holder._read(holder.generation)["expires"], time.time() + 60
+    while not (time.time() > first and holder._read(holder.generation)["expires"] > time.time()):
+        assert time.time() < deadline, "the lease was not renewed past its first expiry"
+        time.sleep(0.02)
+    holder.release()
+    # Live: a contender waits for the holder (a lease no scheduling delay outlasts) and takes the lock once
+    # it is released
+    holder = LeaseLock(fs, folder, "s/d1", lease_s=60)
+    holder.acquire()
     taken = []
-    contender = threading.Thread(target=lambda: (LeaseLock(fs, folder, "s/d1", 1.5).acquire(),
+    contender = threading.Thread(target=lambda: (LeaseLock(fs, folder, "s/d1", 60, poll_s=0.05).acquire(),
                                                  taken.append(time.time())))
     contender.start()
-    time.sleep(4.5)  # three leases: the heartbeat keeps it
+    time.sleep(0.5)
     assert not taken
     released = time.time()
     holder.release()
