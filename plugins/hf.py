@@ -31,12 +31,11 @@ COMPACT_AT = 0.25  # drop stopped rows from the batch once they are this share o
 BATCH_STEP = 16  # a compacted batch keeps a multiple of this many rows (stopped ones fill it)
 
 
-def compacted(running: torch.Tensor) -> torch.Tensor:
+def compacted(running: torch.Tensor, alive: int) -> torch.Tensor:
     """The batch rows to keep: the running ones, and stopped ones up to a multiple of BATCH_STEP rows. Batch sizes
     then come from a short list: the CPU's matmul library (oneDNN) builds and keeps kernels for each matrix shape
     it meets (~0.5 MB each here), which grew a stage's memory by ~80 MB over 10 steps when every batch size could
-    occur. A stopped row kept is decoded and never recorded."""
-    alive = int(running.sum())
+    occur. A stopped row kept is decoded and never recorded. `alive`: how many rows run."""
     size = min(len(running), -(-alive // BATCH_STEP) * BATCH_STEP)
     stopped = (~running).nonzero().flatten()[: size - alive]
     return torch.cat([running.nonzero().flatten(), stopped]).sort().values
@@ -140,8 +139,7 @@ class HFSampler(Sampler):
             alive = int(running.sum())
             if alive == 0 or t == T - 1:
                 break
-            rows_left = compacted(running) if alive <= len(here) * (1 - COMPACT_AT) else here
-            if len(rows_left) < len(here):
+            if alive <= len(here) * (1 - COMPACT_AT) and len(rows_left := compacted(running, alive)) < len(here):
                 keep(rows_left)
                 here, running, token = here[rows_left], running[rows_left], token[rows_left]
             logits = forward(token)
