@@ -14,10 +14,14 @@ def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
     """Pad to the longest sequence given (not to a fixed length), on the left or right."""
     import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch
 
-    longest = max(len(s) for s in seqs)
-    if side == "left":
-        return torch.tensor([[value] * (longest - len(s)) + list(s) for s in seqs])
-    return torch.tensor([list(s) + [value] * (longest - len(s)) for s in seqs])
+    lengths = torch.tensor([len(s) for s in seqs])
+    flat = torch.tensor([x for s in seqs for x in s])  # one flat list: nested lists convert ~5x slower
+    longest = int(lengths.max())
+    out = torch.full((len(seqs), longest), value, dtype=torch.promote_types(flat.dtype, torch.tensor(value).dtype))
+    columns = torch.arange(longest)
+    filled = columns >= longest - lengths[:, None] if side == "left" else columns < lengths[:, None]
+    out[filled] = flat.to(out.dtype)  # row-major order: each row's values in its filled places
+    return out
 
 
 def collate(rows: list[dict], pad_token_id: int, padding_side: str = "right") -> dict[str, Any]:

@@ -86,7 +86,7 @@ class Layout:
     segment: Tensor | None = None  # [R*W] -1 on a unit's prompt, else the completion's own row
 
 
-def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: list[int] | None,
+def units_of(ids: list[list[int]], starts: list[int], lengths: list[int], prompts: list[int] | None,
              width: int = 1 << 30):
     """Rows grouped by equal prompt tokens (`prompts`: each row's prompt length; None: no sharing), a group
     split into units of at most `width` tokens (its prompt once, then its completions) where it is longer."""
@@ -94,7 +94,7 @@ def units_of(input_ids: Tensor, starts: list[int], lengths: list[int], prompts: 
         return [[b] for b in range(len(lengths))]
     found: dict[tuple, list[int]] = {}
     for b, (s, p) in enumerate(zip(starts, prompts)):
-        found.setdefault((p, tuple(input_ids[b, s: s + p].tolist())), []).append(b)
+        found.setdefault((p, tuple(ids[b][s: s + p])), []).append(b)
     units: list[list[int]] = []
     for group in found.values():
         p, size = prompts[group[0]], None
@@ -111,44 +111,45 @@ def layout(input_ids: Tensor, attention_mask: Tensor, prompts: list[int] | None,
            row_multiple: int = 1) -> Layout:
     """Pack the rows in rows of `width` tokens (wider where one sequence is), a multiple of `row_multiple` rows;
     with `prompts` (each row's prompt length) rows with equal prompts share one copy per unit of at most `width`
-    tokens."""
+    tokens. Built in Python lists (a micro-batch's few thousand indices), then moved to the device at once."""
     B, T = input_ids.shape
     lengths = attention_mask.sum(-1).tolist()
     starts = attention_mask.int().argmax(-1).tolist()  # first real token of each row
-    units = units_of(input_ids, starts, lengths, prompts, width)
+    units = units_of(input_ids.tolist() if prompts is not None else [], starts, lengths, prompts, width)
     shared = [0 if len(u) == 1 else prompts[u[0]] for u in units]  # prompt tokens stored once per unit
     sizes = [p + sum(lengths[b] - p for b in u) for u, p in zip(units, shared)]
     W = max(max(sizes), width)
     bins = pack_rows(sizes, W)
     bins += [[] for _ in range(-len(bins) % row_multiple)]  # empty rows: each one causal sequence of padding
     src, dst, pos, unit_of, seg = [], [], [], [], []
-    at = torch.full((B * T,), -1, dtype=torch.long)
+    at = [-1] * (B * T)
+
+    def put(first: int, n: int, offset: int, position: int, u: int, segment: int) -> None:
+        src.extend(range(first, first + n)), dst.extend(range(offset, offset + n))
+        pos.extend(range(position, position + n)), unit_of.extend([u] * n), seg.extend([segment] * n)
+
     for r, members in enumerate(bins):
         offset = r * W
         for u in members:
             p = shared[u]
-            first = units[u][0]
-            prompt = torch.arange(p) + first * T + starts[first]
             if p:
-                src.append(prompt), dst.append(torch.arange(p) + offset), pos.append(torch.arange(p))
-                unit_of.append(torch.full((p,), u)), seg.append(torch.full((p,), -1))
+                first = units[u][0] * T + starts[units[u][0]]
+                put(first, p, offset, 0, u, -1)
                 for b in units[u]:
-                    at[torch.arange(p) + b * T + starts[b]] = torch.arange(p) + offset
+                    at[b * T + starts[b]: b * T + starts[b] + p] = range(offset, offset + p)
                 offset += p
             for b in units[u]:
-                n = lengths[b] - p
-                rest = torch.arange(n) + b * T + starts[b] + p
-                src.append(rest), dst.append(torch.arange(n) + offset), pos.append(torch.arange(n) + p)
-                unit_of.append(torch.full((n,), u)), seg.append(torch.full((n,), b))
-                at[rest] = torch.arange(n) + offset
+                n, rest = lengths[b] - p, b * T + starts[b] + p
+                put(rest, n, offset, p, u, b)
+                at[rest: rest + n] = range(offset, offset + n)
                 offset += n
         free = (r + 1) * W - offset  # the free tail: one more causal sequence of its own
-        pos.append(torch.arange(free)), unit_of.append(torch.full((free,), -1 - r)), seg.append(torch.full((free,), -1))
-    device = input_ids.device
-    out = Layout(len(bins), W, torch.cat(src).to(device), torch.cat(dst).to(device), torch.cat(pos).to(device),
-                 at.to(device))
+        pos.extend(range(free)), unit_of.extend([-1 - r] * free), seg.extend([-1] * free)
+    long = dict(dtype=torch.long, device=input_ids.device)
+    out = Layout(len(bins), W, torch.tensor(src, **long), torch.tensor(dst, **long), torch.tensor(pos, **long),
+                 torch.tensor(at, **long))
     if any(shared):
-        out.unit, out.segment = torch.cat(unit_of).to(device), torch.cat(seg).to(device)
+        out.unit, out.segment = torch.tensor(unit_of, **long), torch.tensor(seg, **long)
     return out
 
 

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from alignflow.core import Sampler, seeds
 from alignflow.core.errors import AlignflowError
+from alignflow.core.train.allocator import keep_freed_memory
 from alignflow.flows.stages.rl.rollout import round_share
 from alignflow.flows.stages.scoring import CHUNK, prompt_ids
 
@@ -50,6 +51,7 @@ class Request:
 
 def _worker(sampler_cls, config, staging, tokenizer, threads: int, requests, loaded, results) -> None:
     torch.set_num_threads(threads)
+    keep_freed_memory()  # as the stage's process does on a CPU (the worker runs on a CPU only)
     model = copy.deepcopy(staging).eval()  # private: the trainer rewrites `staging` while this one generates
     sampler = sampler_cls(config)
     sampler.load(model, tokenizer)
