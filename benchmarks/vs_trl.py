@@ -39,14 +39,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
+from alignflow.core.spec.settings import TrainSettings
 from machine import achieved, dims, machine, measure_bound
 
 SIZES = {"tiny": {}, "8m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                                 num_key_value_heads=4, max_position_embeddings=256)}
 SHAPE = dict(prompts=16, group_size=8, micro_batch=32, accumulation=4, max_new_tokens=48, lr=1e-4)
 UPDATE_LENGTH = 40  # tokens per row for the update's bound (prompt + completion: ~33 on the tiny model)
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16")
+PRECISIONS = get_args(TrainSettings.model_fields["precision"].annotation)  # the `precision` setting's values
 PARTS = ("generate", "score", "train", "step")
 
 

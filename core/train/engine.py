@@ -373,7 +373,8 @@ def resolve_precision(settings: TrainSettings, model: torch.nn.Module) -> precis
         dist.broadcast_object_list(shared, src=0)
         resolved = shared[0]
     attention = precision.fit_attention(model, resolved.precision, settings)
-    log.info("precision %s (%s)%s", resolved.precision, resolved.reason, f", {attention} attention" if attention else "")
+    log.info("precision %s (%s)%s", resolved.precision, resolved.reason,
+             f", {attention} attention" if attention else "")
     return resolved
 
 

@@ -171,3 +171,15 @@ def test_packed_rows_on_a_cpu_come_in_a_multiple_of_cpu_rows(tiny):
     assert packing.pack_shape(model) == (64, packing.CPU_ROWS) and packing.CPU_ROWS == 4
     engine = types.SimpleNamespace(module=model)  # what the stage passes: DeepSpeed's engine, the model inside
     assert packing.pack_shape(engine) == packing.pack_shape(model)  # H/2 = 64 on the tiny model, not 256
+
+
+def test_the_packed_forward_takes_its_rows_in_a_multiple_of_cpu_rows(tiny):
+    """The forward token_logprobs runs (not only `layout`) gets the padded row count, at the CPU's width."""
+    tok = load_tokenizer(tiny)
+    ids, attn, labels = group_batch(tok, "right")
+    model, shapes = load_model(tiny), []
+    model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(tuple(args[0].shape)), with_kwargs=True)
+    with torch.no_grad():
+        token_logprobs(model, ids, attn, labels, packed=True)
+    rows, width = shapes[-1]
+    assert width == 64 and rows % packing.CPU_ROWS == 0 and rows > 0
