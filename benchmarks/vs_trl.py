@@ -24,7 +24,7 @@ Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), e
 `machine` says what it ran on; `bound` is torch.mm's GFLOP/s at each phase's matmul shapes, measured in a child
 process of each side's threads before the pairs, and each side's `gflops_per_s` / `share_of_bound` the model
 FLOPs of the work over the phase's time (benchmarks/machine.py). `--trl-best` first times TRL in fp32 and in bf16
-(one process each, 1 warm-up step and 1 measured) and runs the pairs with the faster.
+(one process each, 1 warm-up step and 3 measured) and runs the pairs with the faster.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SHAPE = dict(prompts=16, group_size=8, micro_batch=32, accumulation=4, max_new_t
 UPDATE_LENGTH = 40  # tokens per row for the update's bound (prompt + completion: ~33 on the tiny model)
 PRECISIONS = get_args(TrainSettings.model_fields["precision"].annotation)  # the `precision` setting's values
 PARTS = ("generate", "score", "train", "step")
+PROBE_STEPS = 3  # --trl-best's measured steps per precision, after 1 warm-up
 
 
 def alignflow_side(args) -> list[dict]:
@@ -188,7 +189,7 @@ def stage_prompts(args, path: Path) -> None:
     from alignflow.flows.stages.rl.rollout import round_prompts
 
     rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
-    drawn = [rows[i] for step in range(max(args.warmup + args.steps, 2))  # 2: --trl-best's probe
+    drawn = [rows[i] for step in range(max(args.warmup + args.steps, 1 + PROBE_STEPS))  # --trl-best's probe
              for i in round_prompts(step, 0, len(rows), SHAPE["prompts"], 0)]
     path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in drawn))
 
@@ -234,7 +235,7 @@ def main() -> None:
     parser.add_argument("--trl-precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: GRPOConfig(bf16=True), autocast on the CPU")
     parser.add_argument("--trl-best", action="store_true",
-                        help="time TRL in fp32 and bf16 first (1 warm-up + 1 step each) and use the faster")
+                        help=f"time TRL in fp32 and bf16 first (1 warm-up + {PROBE_STEPS} steps each), use the faster")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -318,13 +319,14 @@ def run_side(args, side: str, model: Path, prompts: Path, work: Path, env: dict,
 
 
 def trl_probe(args, model: Path, prompts: Path, tmp: Path, env: dict) -> dict:
-    """TRL's measured step in fp32 and in bf16 (one process each, 1 warm-up step); the faster becomes
-    `--trl-precision`."""
+    """TRL's median step in fp32 and in bf16 (one process each, 1 warm-up step, then PROBE_STEPS); the faster
+    becomes `--trl-precision`. One measured step was too few: it once picked fp32 by 0.45 against 0.48 s, and
+    fp32 then ran 0.505 s a step in the pairs where bf16 ran 0.406."""
     step_s = {}
     for precision in ("fp32", "bf16"):
-        run = run_side(args, "trl", model, prompts, tmp / f"probe-{precision}", env, 1, 1, precision,
+        run = run_side(args, "trl", model, prompts, tmp / f"probe-{precision}", env, 1, PROBE_STEPS, precision,
                        f"probe trl {precision}")
-        step_s[precision] = round(run["steps"][-1]["step"], 3)
+        step_s[precision] = round(statistics.median(step["step"] for step in run["steps"][1:]), 3)
     args.trl_precision = min(step_s, key=step_s.get)
     return {"step_s": step_s, "chosen": args.trl_precision}
 
