@@ -15,6 +15,7 @@ with the process until it exits. Where the C library is not glibc, nothing chang
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import sys
 
@@ -23,24 +24,20 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # the most glibc accepts on 64-bit: larger blocks are still mapped on their own
 TRIM_THRESHOLD = 512 << 20
-_done: list[bool] = []
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds once per process; whether they are set (False off glibc)."""
-    if _done:
-        return _done[0]
-    ok = False
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None)
-            mallopt = libc.mallopt
-            version = libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
-        except (OSError, AttributeError):
-            pass
-        else:
-            version.restype = ctypes.c_char_p
-            ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-            log.debug("glibc %s: malloc keeps freed memory (%s)", version().decode(), "set" if ok else "refused")
-    _done.append(ok)
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+        version = libc.gnu_get_libc_version  # only glibc has it (musl's mallopt does nothing)
+    except (OSError, AttributeError):
+        return False
+    version.restype = ctypes.c_char_p
+    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    log.debug("glibc %s: malloc keeps freed memory (%s)", version().decode(), "set" if ok else "refused")
     return ok
