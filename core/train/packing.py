@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from alignflow.core.train import varlen
 from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
 
 log = logging.getLogger(__name__)
@@ -175,18 +176,9 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
         first = torch.where(mask.any(-1), mask.int().argmax(-1), attention_mask.sum(-1) + start)
         prompts = (first - start).tolist()
     lay = layout(input_ids, attention_mask, prompts, *pack_shape(model))
-    packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=device)
-    packed[lay.target] = input_ids.reshape(-1)[lay.source]
-    kwargs = dict(position_ids=lay.positions.view(lay.rows, lay.width), use_cache=False)
-    if lay.unit is not None:
-        kwargs["attention_mask"] = attention_bias(lay, next(model.parameters()).dtype)
-    logits = model(packed.view(lay.rows, lay.width), **kwargs).logits
     # A scored token t of row b is predicted by the logits where its row's token t-1 sits.
     target = mask.reshape(-1).nonzero().flatten()
-    # index_select, not `logits[...]`: a shared prompt's last position is picked once per completion, and the
-    # backward of advanced indexing accumulates those duplicates with atomic adds across threads (order, so
-    # rounding, varies run to run); index_select's backward (index_add) sums them in a fixed order.
-    picked = logits.view(-1, logits.shape[-1]).index_select(0, lay.at[target - 1])
+    picked = packed_logits(model, input_ids, lay, lay.at[target - 1])
     if temperature != 1.0:
         picked = picked / temperature
     out = torch.zeros(B * T, dtype=torch.float32, device=device)
@@ -195,6 +187,30 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
         return out.view(B, T)
     ent = torch.zeros_like(out).index_put((target,), entropy_from_logits(picked[None])[0])
     return out.view(B, T), ent.view(B, T)
+
+
+def packed_logits(model, input_ids: Tensor, lay: Layout, slots: Tensor) -> Tensor:
+    """The logits [len(slots), V] at packed `slots` of `input_ids` laid out by `lay`: with a 4D mask, by the
+    forward on real tokens only (core/train/varlen.py) where the model allows it, else transformers' forward of
+    the padded rows."""
+    bias = None if lay.unit is None else attention_bias(lay, next(model.parameters()).dtype)
+    if bias is not None and varlen.unsupported(model) is None:
+        count = len(lay.target)
+        hidden = varlen.hidden_states(model, input_ids.reshape(-1)[lay.source], lay.positions[lay.target],
+                                      lay.target, lay.rows, lay.width, bias)
+        token = torch.full((lay.rows * lay.width,), -1, dtype=torch.long, device=hidden.device)
+        token[lay.target] = torch.arange(count, device=hidden.device)  # packed slot -> its real token's row
+        return varlen.logits_at(model, hidden, token[slots])
+    packed = torch.zeros(lay.rows * lay.width, dtype=input_ids.dtype, device=input_ids.device)
+    packed[lay.target] = input_ids.reshape(-1)[lay.source]
+    kwargs = dict(position_ids=lay.positions.view(lay.rows, lay.width), use_cache=False)
+    if bias is not None:
+        kwargs["attention_mask"] = bias
+    logits = model(packed.view(lay.rows, lay.width), **kwargs).logits
+    # index_select, not `logits[...]`: a shared prompt's last position is picked once per completion, and the
+    # backward of advanced indexing accumulates those duplicates with atomic adds across threads (order, so
+    # rounding, varies run to run); index_select's backward (index_add) sums them in a fixed order.
+    return logits.view(-1, logits.shape[-1]).index_select(0, slots)
 
 
 _PACKING: dict[type, bool] = {}

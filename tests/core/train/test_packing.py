@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from alignflow.core.train import packing
+from alignflow.core.train import packing, varlen
 from alignflow.core.train.models import load_model, load_tokenizer, token_logprobs
 from alignflow.core.train.packing import layout, masks_work
 from helpers.load import busy_loops, torch_threads
@@ -173,8 +173,10 @@ def test_packed_rows_on_a_cpu_come_in_a_multiple_of_cpu_rows(tiny):
     assert packing.pack_shape(engine) == packing.pack_shape(model)  # H/2 = 64 on the tiny model, not 256
 
 
-def test_the_packed_forward_takes_its_rows_in_a_multiple_of_cpu_rows(tiny):
-    """The forward token_logprobs runs (not only `layout`) gets the padded row count, at the CPU's width."""
+def test_the_packed_forward_takes_its_rows_in_a_multiple_of_cpu_rows(tiny, monkeypatch):
+    """transformers' forward of the packed rows (where the forward on real tokens only does not run,
+    tests/core/train/test_varlen.py) gets the padded row count, at the CPU's width."""
+    monkeypatch.setattr(varlen, "unsupported", lambda model: "transformers' forward")
     tok = load_tokenizer(tiny)
     ids, attn, labels = group_batch(tok, "right")
     model, shapes = load_model(tiny), []
