@@ -210,4 +210,3 @@ class PackedDecoder:
         self.k = [k.index_select(0, rows) for k in self.k]
         self.v = [v.index_select(0, rows) for v in self.v]
         self.bias, self.positions = self.bias.index_select(0, rows), self.positions.index_select(0, rows)
-
