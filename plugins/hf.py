@@ -144,8 +144,8 @@ class HFSampler(Sampler):
                 here, running, token = here[rows_left], running[rows_left], token[rows_left]
             logits = forward(token)
         completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
-        chosen_lp = chosen_lp.cpu()
-        return completions, truncated, [chosen_lp[i, : len(c)].tolist() for i, c in enumerate(completions)]
+        rows_lp = chosen_lp.tolist()  # one conversion, then list slices (a tensor slice per row cost ~3 us each)
+        return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)]
 
     def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
         """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""

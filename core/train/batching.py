@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from alignflow.core.train.datasets import IGNORE_INDEX
@@ -10,12 +11,29 @@ if TYPE_CHECKING:
     import torch
 
 
+def flat_tensor(items: list) -> torch.Tensor:
+    """`torch.tensor(items)` for a flat list of numbers (the same dtype and values), through a typed buffer:
+    torch.tensor spent ~85 ns an element here, 0.37 ms on the 4,300 token ids of a 16 x 8 rollout."""
+    import torch
+
+    if items and type(items[0]) in (int, float):  # Python numbers (a bool list stays torch's: dtype bool)
+        for code, dtype in (("q", torch.int64), ("d", torch.float64)):
+            try:
+                buffer = array(code, items)
+            except TypeError:  # floats among the ints: the next code
+                continue
+            except OverflowError:  # an int beyond int64: torch's own error
+                break
+            return torch.frombuffer(buffer, dtype=dtype).to(torch.int64 if code == "q" else torch.get_default_dtype())
+    return torch.tensor(items)
+
+
 def pad(seqs: list[list[int]], value: int, side: str = "right") -> torch.Tensor:
     """Pad to the longest sequence given (not to a fixed length), on the left or right."""
     import torch  # here, not at the top: validating rows (`alignflow validate`) never loads torch
 
     lengths = torch.tensor([len(s) for s in seqs])
-    flat = torch.tensor([x for s in seqs for x in s])  # one flat list: nested lists convert ~5x slower
+    flat = flat_tensor([x for s in seqs for x in s])  # one flat list: nested lists convert ~5x slower
     longest = int(lengths.max())
     out = torch.full((len(seqs), longest), value, dtype=torch.promote_types(flat.dtype, torch.tensor(value).dtype))
     columns = torch.arange(longest)

@@ -16,7 +16,7 @@ from alignflow.core import seeds
 from alignflow.core.train.batching import pad
 from alignflow.core.train.steps import token_ends
 from alignflow.core.train.dist import gathered, rank_and_world
-from alignflow.core.rl.algorithm import Rollout
+from alignflow.core.rl.algorithm import RLAlgorithm, Rollout
 from alignflow.core.environments.episodes import episode_metrics
 from alignflow.core.rl.capabilities import Regenerate, has
 from alignflow.flows.stages.rl.costs import cost_label, reward_components, turn_anchor
@@ -170,8 +170,10 @@ def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, al
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
-        batch = to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost, components, anchor)
-        keep = algo.filter_groups(batch.rollout)
+        keep = torch.ones(len(samples), dtype=torch.bool)  # the default filter keeps all: no batch to build
+        if getattr(type(algo), "filter_groups", None) is not RLAlgorithm.filter_groups:
+            keep = algo.filter_groups(to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost,
+                                               components, anchor).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
         groups = passing[: want - n_kept]
@@ -213,9 +215,13 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | Non
     prompt_len = [len(p) for p in samples.prompt_ids]
     seqs = [p + c for p, c in zip(samples.prompt_ids, samples.completion_ids)]
     ids = pad(seqs, pad_id)
-    attention = pad([[1] * len(x) for x in seqs], 0)
-    loss = samples.loss_mask or [[1] * len(c) for c in samples.completion_ids]  # an episode's: the model's tokens
-    response = pad([[0] * n + list(m) for n, m in zip(prompt_len, loss)], 0).float()
+    columns, starts = torch.arange(ids.shape[1]), torch.tensor(prompt_len)[:, None]
+    ends = torch.tensor([len(x) for x in seqs])[:, None]
+    attention = (columns < ends).long()
+    if samples.loss_mask is None:  # every completion token is the model's
+        response = ((columns >= starts) & (columns < ends)).float()
+    else:  # an episode's: the model's tokens only
+        response = pad([[0] * n + list(m) for n, m in zip(prompt_len, samples.loss_mask)], 0).float()
     sampled = None
     if samples.logprobs is not None:
         sampled = pad([[0.0] * n + list(lp) for n, lp in zip(prompt_len, samples.logprobs)], 0.0).float()

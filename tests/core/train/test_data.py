@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from alignflow.core.train.batching import collate, pad
+from alignflow.core.train.batching import collate, flat_tensor, pad
 from alignflow.core.train.datasets import (
     IGNORE_INDEX, check_row, load_rows, read_rows, split_messages, tokenize, truncate,
 )
@@ -237,6 +237,25 @@ def test_split_steps_and_step_sequence(tok):
     assert step_spans("ab\n\ncd\ne", "\n") == [("ab", 2), ("cd", 6), ("e", 8)]
     ids, ends = step_sequence([7, 8], [[1, 2, 3], [4, 5]])
     assert ids == [7, 8, 1, 2, 3, 4, 5] and ends == [4, 6]
+
+
+@pytest.mark.parametrize("items", [[3, -1, 7], [0.0, 0.25, -1.5e-9], [0, 0.5], [1.5, 2], [True, False], [],
+                                   [0.1, float("nan")]])
+def test_flat_tensor_is_torch_tensor_through_a_buffer(items):
+    """The same dtype (int64; the default float dtype, also for floats among ints; bool) and the same values."""
+    fast, plain = flat_tensor(items), torch.tensor(items)
+    assert fast.dtype == plain.dtype and fast.shape == plain.shape
+    if fast.is_floating_point():
+        fast, plain = fast.nan_to_num(7.0), plain.nan_to_num(7.0)
+    assert torch.equal(fast, plain)
+
+
+@pytest.mark.parametrize("items", [[2 ** 70], [1, "a"]])
+def test_flat_tensor_raises_what_torch_tensor_raises(items):
+    with pytest.raises(Exception) as plain:
+        torch.tensor(items)
+    with pytest.raises(type(plain.value)):
+        flat_tensor(items)
 
 
 def test_collate_pads_to_longest_in_micro_batch_only(tok):
