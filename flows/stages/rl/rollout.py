@@ -218,7 +218,7 @@ def to_batch(samples: Samples, pad_id: int, max_new_tokens: int, cost: str | Non
     columns, starts = torch.arange(ids.shape[1]), torch.tensor(prompt_len)[:, None]
     ends = torch.tensor([len(x) for x in seqs])[:, None]
     attention = (columns < ends).long()
-    if samples.loss_mask is None:  # every completion token is the model's
+    if not samples.loss_mask:  # every completion token is the model's
         response = ((columns >= starts) & (columns < ends)).float()
     else:  # an episode's: the model's tokens only
         response = pad([[0] * n + list(m) for n, m in zip(prompt_len, samples.loss_mask)], 0).float()
