@@ -2,6 +2,8 @@
 rows: the same log-probs, entropies and gradients on every architecture it runs, in fp32 and under bf16 autocast
 with the eager attention the `rl` stage uses there."""
 
+import types
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
@@ -113,6 +115,7 @@ def test_matmuls_take_a_multiple_of_token_multiple_and_attention_a_multiple_of_c
 
 def test_what_it_does_not_run_keeps_transformers_forward_with_the_reason():
     model = build("qwen2")
+    assert varlen.unsupported(types.SimpleNamespace(module=model)) is None  # the stage passes DeepSpeed's engine
     model.gradient_checkpointing_enable()
     assert varlen.unsupported(model) == "gradient checkpointing"
     assert varlen.unsupported(build("qwen2", attention_dropout=0.1)) == "attention dropout"
