@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from alignflow.core.train import packing  # a module attribute, so stage digests include its source
-from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
+from alignflow.core.train.logits import logprobs_and_entropy, logprobs_from_logits
 from alignflow.core.train.adapters import ADAPTER_CONFIG, is_adapter_dir
 from alignflow.core.train.precision import cpu_has_bf16
 from alignflow.core.errors import AlignflowError
@@ -219,10 +219,10 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
 
     Logits are computed only from the first labelled column on (`logits_to_keep`), so a long
     prompt costs no vocabulary-sized memory. With `return_entropy`, also the policy's entropy at
-    each position (same alignment), from the same forward pass. With `packed`, the rows' real tokens
-    are packed end to end into as few rows of max(T, PACK_WIDTH) tokens as hold them, rows with the same
-    prompt sharing one copy of it (see core/train/packing.py): the same values, without the compute of padding and
-    of repeated prompts.
+    each position (same alignment, no gradient: a metric), from the same log-softmax. With `packed`, the
+    rows' real tokens are packed end to end into as few rows of max(T, PACK_WIDTH) tokens as hold them, rows with
+    the same prompt sharing one copy of it (see core/train/packing.py): the same values, without the compute of
+    padding and of repeated prompts.
     """
     B, T = input_ids.shape
     mask = attention_mask.bool().clone()
@@ -240,10 +240,9 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, labels_mask
     if temperature != 1.0:
         logits = logits / temperature
     out = torch.zeros(B, T, dtype=torch.float32, device=input_ids.device)
-    out[:, start:] = logprobs_from_logits(logits, input_ids[:, start:])
-    out = out.masked_fill(~mask, 0.0)
     if not return_entropy:
-        return out
+        out[:, start:] = logprobs_from_logits(logits, input_ids[:, start:])
+        return out.masked_fill(~mask, 0.0)
     ent = torch.zeros_like(out)
-    ent[:, start:] = entropy_from_logits(logits)
-    return out, ent.masked_fill(~mask, 0.0)
+    out[:, start:], ent[:, start:] = logprobs_and_entropy(logits, input_ids[:, start:])
+    return out.masked_fill(~mask, 0.0), ent.masked_fill(~mask, 0.0)

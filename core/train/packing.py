@@ -4,9 +4,10 @@ A GRPO group is G completions of one prompt. Padded, a micro-batch computes ever
 row to the longest one's width. Packed, the rows' real tokens sit end to end in rows of at least
 `pack_width` tokens (256 on a GPU, less on a CPU); rows that share their prompt (the tokens before their
 first scored one) share one copy of it, per unit of at most that many tokens: the unit [prompt, completion 1,
-..., completion k] costs P + sum(C_i) tokens instead of k * P + sum(C_i). Each completion attends to its prompt and to itself (a 4D mask; its positions continue
-from the prompt's), so every log-prob and gradient is the padded batch's (tested to float rounding); the
-shared prompt's gradient is the sum over its completions, as it is when the prompt is repeated.
+..., completion k] costs P + sum(C_i) tokens instead of k * P + sum(C_i). Each completion attends to its prompt
+and to itself (a 4D mask; its positions continue from the prompt's), so every log-prob and gradient is the padded
+batch's (tested to float rounding); the shared prompt's gradient is the sum over its completions, as it is when
+the prompt is repeated.
 
 Without shared prompts (or for a model whose attention ignores a 4D mask) the units are single rows and
 the separation is transformers' own: position ids that restart at each sequence.
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from alignflow.core.train import varlen
-from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
+from alignflow.core.train.logits import logprobs_and_entropy, logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +183,11 @@ def packed_token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, mask
     if temperature != 1.0:
         picked = picked / temperature
     out = torch.zeros(B * T, dtype=torch.float32, device=device)
-    out = out.index_put((target,), logprobs_from_logits(picked, input_ids.reshape(-1)[target]))
+    tokens = input_ids.reshape(-1)[target]
     if not return_entropy:
-        return out.view(B, T)
-    ent = torch.zeros_like(out).index_put((target,), entropy_from_logits(picked[None])[0])
-    return out.view(B, T), ent.view(B, T)
+        return out.index_put((target,), logprobs_from_logits(picked, tokens)).view(B, T)
+    logprobs, entropy = logprobs_and_entropy(picked, tokens)
+    return out.index_put((target,), logprobs).view(B, T), torch.zeros_like(out).index_put((target,), entropy).view(B, T)
 
 
 def packed_logits(model, input_ids: Tensor, lay: Layout, slots: Tensor) -> Tensor:

@@ -6,9 +6,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alignflow.core.errors import AlignflowError
 from alignflow.core.train.models import (
-    build_tiny, entropy_from_logits, load_model, load_tokenizer, load_value_model,
-    logprobs_from_logits, position_ids, sequence_scores, token_logprobs, token_values,
+    build_tiny, load_model, load_tokenizer, load_value_model, logprobs_from_logits, position_ids, sequence_scores,
+    token_logprobs, token_values,
 )
+from alignflow.core.train.logits import entropy_from_logits
 from alignflow.core.train.packing import pack_rows, packing_works
 
 
@@ -222,3 +223,25 @@ def test_half_precision_logits_upcast_in_blocks_give_the_fp32_values(monkeypatch
                                                                entropy.flatten())):
             torch.testing.assert_close(lg.logprobs_from_logits(x, t), w, atol=1e-5, rtol=0)
             torch.testing.assert_close(lg.entropy_from_logits(x), e, atol=1e-5, rtol=0)
+            both = lg.logprobs_and_entropy(x, t)
+            torch.testing.assert_close(both[0], w, atol=1e-5, rtol=0)
+            torch.testing.assert_close(both[1], e, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_and_entropy_share_one_log_softmax_and_only_the_log_probs_carry_a_gradient(dtype):
+    """The pair equals the two functions apart; the log-probs' gradient is the one-hot minus the softmax (per
+    token, weighted), the entropy has none."""
+    from alignflow.core.train.logits import logprobs_and_entropy
+
+    logits = torch.randn(6, 9, generator=torch.Generator().manual_seed(3)).to(dtype).requires_grad_()
+    tokens = torch.tensor([0, 8, 3, 3, 5, 1])
+    weights = torch.arange(1.0, 7.0)
+    logprobs, entropy = logprobs_and_entropy(logits, tokens)
+    assert logprobs.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    torch.testing.assert_close(logprobs, logprobs_from_logits(logits, tokens), atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits).detach(), atol=1e-5, rtol=0)
+    (logprobs * weights).sum().backward()
+    p = logits.detach().float().softmax(-1)
+    want = (torch.nn.functional.one_hot(tokens, 9) - p) * weights[:, None]
+    torch.testing.assert_close(logits.grad.float(), want, atol=1e-2 if dtype == torch.bfloat16 else 1e-6, rtol=0)
