@@ -37,7 +37,7 @@ def logprobs_and_entropy(logits: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor
     the entropy's graph, a [.., V] softmax, until the backward."""
     out, entropy = [], []
     for rows, tok in zip(logits.split(pieces(logits)), tokens.split(pieces(logits))):
-        logprobs = rows.float().log_softmax(-1)
+        logprobs = (rows if rows.dtype == torch.float64 else rows.float()).log_softmax(-1)  # fp32 at least
         out.append(pick(logprobs, tok))
         with torch.no_grad():
             entropy.append(-(logprobs.exp() * logprobs).sum(-1))
