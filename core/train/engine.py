@@ -27,6 +27,7 @@ in `engine.autocast()`, the frozen models' too.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -98,6 +99,8 @@ def init_distributed() -> None:
         # all-reduce uses that op; training's all-reduces are torch.distributed's (gloo).
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    # destroyed at exit, as torch asks: gloo threads left to the teardown once aborted a finished rank (exit -6)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def lr_lambda(kind: str, total_steps: int, warmup_ratio: float):
