@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from alignflow.core import seeds
+from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
 from alignflow.core.environments.chat import Transcript, as_messages
 from alignflow.core.environments.contract import Environment, Step, Turn
 from alignflow.core.environments.tools import ToolFormat, tool_format, tool_schema
@@ -27,7 +28,7 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.sampling import Generation
 
 log = logging.getLogger(__name__)
-ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error")  # why an episode ended
+ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error", "timeout")  # why an episode ended
 # Per model turn of an episode: where it starts in the completion (a token offset), and state_hash of what
 # the model had read before it: the whole context (prompt, earlier turns and replies) and the environment's
 # latest observation alone (the first messages before turn 0, else the reply to the previous turn).
@@ -55,6 +56,9 @@ class Episodes:
 
     def generate(self, sampler, tokenizer, rows: list[dict], n: int, gen, seed: int) -> Generation:
         """`n` episodes per row (the `n` of a row start from the same seed), as one Generation."""
+        if issubclass(self.environment, AgentEnvironment):  # it drives its episodes through the policy endpoint
+            stops = getattr(sampler, "stop_ids", None) or {tokenizer.eos_token_id}
+            return DrivenEpisodes(self, tokenizer, rows, n, gen, seed, stops).run(sampler)
         start = time.perf_counter()
         fmt = tool_format(self.tool_format, tokenizer)
         envs = [self.environment(self.config) for _ in rows for _ in range(n)]
@@ -208,8 +212,15 @@ def _row_text(row: dict) -> str:
 
 
 def episode_metrics(episodes: dict[str, list]) -> dict[str, float]:
-    """Per-episode means of turns, tool calls and tool errors, and the share of episodes ended by each limit."""
-    n = max(len(episodes["turns"]), 1)
+    """Per-episode means of turns, tool calls and tool errors (and of splits), and the share of episodes ended by
+    each limit."""
+    # driven episodes (core/environments/agents.py) have a row per sample: a call that did not extend the episode's
+    # sequence split it; the counts are then summed over an episode's samples and its ending taken once
+    final = episodes.get("final") or [True] * len(episodes["turns"])
+    n = max(sum(final), 1)
     metrics = {f"episode/{k}": sum(episodes[k]) / n for k in ("turns", "tool_calls", "tool_errors")}
-    metrics.update({f"episode/ended_{e}": sum(x == e for x in episodes["ended"]) / n for e in ENDINGS})
+    metrics.update({f"episode/ended_{e}": sum(x == e for x, f in zip(episodes["ended"], final) if f) / n
+                    for e in ENDINGS})
+    if "final" in episodes:
+        metrics["episode/splits"] = float(len(final) - sum(final)) / n
     return metrics

@@ -1,0 +1,319 @@
+"""Episodes driven from outside: the environment runs the episode and calls the policy through the endpoint.
+
+An `AgentEnvironment` (an agent program written against the `openai` SDK, a verifiers environment, any harness)
+gets a base URL of its own for each episode and calls the policy there as it likes; its `rollout` returns the
+episode's reward. Meanwhile the calling thread serves the calls: it takes the calls waiting from every running
+episode (each waits at most `batch_wait_s` for the others), samples them in one sampler call, and answers them.
+What the trainer gets is what the endpoint recorded (core/environments/recording.py): the prompt ids, sampled
+ids and log-probs of every call, merged per episode while the calls extend each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from alignflow.core import seeds
+from alignflow.core.contracts import PluginConfig
+from alignflow.core.environments.contract import Environment, Step
+from alignflow.core.environments.endpoint import MODEL, Answer, RequestError, Server, app, in_thread
+from alignflow.core.environments.recording import EpisodeLog, Refused, Sample
+from alignflow.core.environments.tools import ToolFormat, tool_format
+from alignflow.core.errors import AlignflowError
+from alignflow.core.sampling import Generation
+
+log = logging.getLogger(__name__)
+BATCH_WAIT_S = 0.05  # the default of `batch_wait_s`
+CLOSE_WAIT_S = 10.0  # after the episodes: how long the endpoint's thread may take to stop
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where an episode reaches the policy: an OpenAI-compatible base URL of its own, and the model's name."""
+
+    base_url: str
+    model: str = MODEL
+    api_key: str = "alignflow"  # the endpoint checks none; the SDK wants one
+
+    def client(self, **kwargs):
+        """An `openai.AsyncOpenAI` client on this episode's URL, with no retries of its own."""
+        from openai import AsyncOpenAI
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+
+    def environ(self) -> dict[str, str]:
+        """The variables the `openai` SDK reads (and OPENAI_MODEL, for programs that take their model from it)."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
+
+
+class AgentConfig(PluginConfig):
+    timeout_s: float = Field(300.0, gt=0)  # an episode still running after this long ends as `timeout`
+    batch_wait_s: float = Field(BATCH_WAIT_S, ge=0)  # how long a call waits for other episodes' calls to batch with
+
+
+class AgentEnvironment(Environment):
+    """An environment that drives its own episode: `rollout(row, seed, policy)` (sync or `async def`) calls the
+    policy at `policy.base_url` and returns the episode's reward (a float, or a `Step` with `reward` and `info`)."""
+
+    Config: ClassVar[type[PluginConfig]] = AgentConfig
+
+    def rollout(self, row: dict, seed: int, policy: Policy) -> Step | float:
+        raise NotImplementedError
+
+
+@dataclass
+class _Call:
+    """A call waiting for the sampler: the ids the model reads, its token cap, and where its answer goes."""
+
+    context: list[int]
+    max_new: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def resolve(self, value) -> None:
+        def put(f=self.future):
+            if not f.done():
+                (f.set_exception if isinstance(value, BaseException) else f.set_result)(value)
+        try:
+            self.loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the episodes are over and their loop is closed: nobody waits for this answer
+            pass
+
+
+class DrivenEpisodes:
+    """One batch of driven episodes: the endpoint and the episodes on a thread of their own, the sampling here."""
+
+    def __init__(self, spec, tokenizer, rows: list[dict], n: int, gen, seed: int, stop_ids):
+        self.spec, self.tokenizer, self.gen, self.seed = spec, tokenizer, gen, seed
+        self.rows, self.stop_ids = rows, set(stop_ids)
+        self.index = [i for i in range(len(rows)) for _ in range(n)]
+        self.fmt: ToolFormat = tool_format(spec.tool_format, tokenizer)
+        self.budget = spec.budget(gen)
+        self.logs = [EpisodeLog(tokenizer, self.fmt, spec.max_turns, self.budget) for _ in self.index]
+        self.calls: queue.Queue[_Call] = queue.Queue()
+        self.live = len(self.index)  # episodes whose rollout has not returned
+        self.done = threading.Event()
+        self.wait = getattr(spec.config, "batch_wait_s", BATCH_WAIT_S)
+
+    def run(self, sampler) -> Generation:
+        start = time.perf_counter()
+        thread, out = in_thread(self._episodes)
+        try:
+            env_s = self._serve(sampler)
+        finally:
+            self.done.set()
+            thread.join(CLOSE_WAIT_S)
+        if "error" in out:
+            raise AlignflowError(f"environment {self.spec.name!r}: the episodes' event loop failed: "
+                                 f"{type(out['error']).__name__}: {out['error']}") from out["error"]
+        return self._generation(out["result"], time.perf_counter() - start, env_s)
+
+    # --- the calling thread: batches of calls, sampled ---
+    def _serve(self, sampler) -> float:
+        """Sample the waiting calls in batches until every episode has returned; the seconds spent waiting."""
+        batches, waited = 0, 0.0
+        while True:
+            t = time.perf_counter()
+            try:
+                first = self.calls.get(timeout=0.05)
+            except queue.Empty:
+                waited += time.perf_counter() - t
+                if self.done.is_set():
+                    return waited
+                continue
+            batch, deadline = [first], time.monotonic() + self.wait
+            while len(batch) < self.live and (left := deadline - time.monotonic()) > 0:
+                try:
+                    batch.append(self.calls.get(timeout=left))
+                except queue.Empty:
+                    break
+            waited += time.perf_counter() - t
+            batch = [c for c in batch if not c.future.done()]  # a timed-out episode's call is not sampled
+            if batch:
+                self._sample(sampler, batch, seeds.turn(self.seed, batches))
+                batches += 1
+
+    def _sample(self, sampler, batch: list[_Call], seed: int) -> None:
+        gen = self.gen.model_copy(update={"max_new_tokens": max(c.max_new for c in batch)})
+        try:
+            g = sampler.generate([c.context for c in batch], 1, gen, seed)
+        except BaseException as exc:
+            for c in batch:
+                c.resolve(RequestError(500, f"the sampler failed: {type(exc).__name__}: {exc}", kind="server_error"))
+            raise
+        for k, c in enumerate(batch):
+            ids = g.completion_ids[k][: c.max_new]
+            c.resolve((ids, None if g.logprobs is None else g.logprobs[k][: len(ids)]))
+
+    # --- the endpoint's thread: requests and episodes ---
+    async def _episodes(self) -> list[tuple[float, str, dict]]:
+        self.loop = asyncio.get_running_loop()
+        server = Server(app(self._chat, self._complete))
+        await server.start()
+        try:
+            return await asyncio.gather(*(self._episode(i, server.url) for i in range(len(self.index))))
+        finally:
+            self.done.set()
+            await server.stop()
+
+    async def _episode(self, i: int, url: str) -> tuple[float, str, dict]:
+        """One episode: its reward, why it ended and what it said in `info`."""
+        env = self.spec.environment(self.spec.config)
+        row = self.rows[self.index[i]]
+        timeout = getattr(env.config, "timeout_s", AgentConfig().timeout_s)
+        reward, ended, info = 0.0, "done", {}
+        try:
+            result = await asyncio.wait_for(_call(env.rollout, row, seeds.episode(self.seed, self.index[i]),
+                                                  Policy(f"{url}/episodes/{i}/v1")), timeout)
+            reward, info = _outcome(result)
+            ended = self.logs[i].limit or "done"
+        except asyncio.TimeoutError:
+            ended = "timeout"
+            log.warning("environment %r: an episode ran past its %s s and was stopped", self.spec.name, timeout)
+        except Exception as exc:  # the episode fails, not the stage
+            ended = self.logs[i].limit or "error"
+            log.warning("environment %r failed on an episode; it ends: %s: %s", self.spec.name,
+                        type(exc).__name__, exc)
+        finally:
+            self.live -= 1
+            self.logs[i].closed = True  # later calls of this episode are refused
+        try:
+            await asyncio.wait_for(_call(env.close), timeout)
+        except Exception as exc:
+            log.warning("environment %r failed to close an episode: %s", self.spec.name, exc)
+        return reward, ended, info
+
+    def _episode_log(self, episode: str) -> EpisodeLog:
+        if not episode.isdigit() or int(episode) >= len(self.logs):
+            raise RequestError(404, f"no episode {episode!r} runs here", code="not_found")
+        found = self.logs[int(episode)]
+        if found.closed:
+            raise RequestError(409, f"episode {episode} is over", code="episode_over")
+        return found
+
+    async def _chat(self, episode: str, body: dict) -> Answer:
+        record = self._episode_log(episode)
+        try:
+            sample, context = record.chat(body["messages"], body["tools"])
+        except Refused as exc:
+            raise RequestError(400, str(exc), code=exc.why) from None
+        ids, lps = await self._wait(sample, context, body)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        content, calls = text, []
+        if body["tools"]:
+            parsed = self.fmt.parse(text, {t["function"]["name"]: t for t in body["tools"]})
+            calls = [{"id": f"call_{sample.turns}_{k}", "type": "function",
+                      "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                     for k, c in enumerate(parsed) if c.error is None]
+            if calls:
+                content = self.fmt.call.sub("", text).strip() or None
+        returned = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        record.answer(sample, ids, lps, text, returned)
+        return self._answer(context, ids, lps, text, content, calls)
+
+    async def _complete(self, episode: str, body: dict) -> Answer:
+        record = self._episode_log(episode)
+        try:
+            sample, context = record.completion(body["prompt"])
+        except Refused as exc:
+            raise RequestError(400, str(exc), code=exc.why) from None
+        ids, lps = await self._wait(sample, context, body)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        record.answer(sample, ids, lps, text, None)
+        return self._answer(context, ids, lps, text, text, [])
+
+    async def _wait(self, sample: Sample, context: list[int], body: dict):
+        cap = min(x for x in (self.gen.max_new_tokens, body.get("max_tokens"), body.get("max_completion_tokens"),
+                              self.budget - len(sample.transcript.ids)) if x is not None)
+        future = self.loop.create_future()
+        self.calls.put(_Call(context, cap, future, self.loop))
+        try:
+            return await future
+        except BaseException:
+            sample.busy = False
+            raise
+
+    def _answer(self, context, ids, lps, text, content, calls) -> Answer:
+        stopped = bool(ids) and ids[-1] in self.stop_ids
+        finish = "tool_calls" if calls else ("stop" if stopped else "length")
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        return Answer(context, ids, lps if lps is not None else [0.0] * len(ids), tokens, text, content, calls, finish)
+
+    # --- the result ---
+    def _generation(self, outcomes: list[tuple[float, str, dict]], seconds: float, waited: float) -> Generation:
+        """One row per recorded sample (an episode without any call: one empty row), in episode order."""
+        rows: dict[str, list] = {k: [] for k in ("prompt_index", "prompt_ids", "ids", "mask", "lps", "truncated")}
+        episodes: dict[str, list] = {k: [] for k in (
+            "reward", "turns", "tool_calls", "tool_errors", "ended", "messages", "turn_starts", "turn_history",
+            "turn_observation", "sample", "final")}
+        has_lps = True
+        for i, (record, (reward, ended, _)) in enumerate(zip(self.logs, outcomes)):
+            samples = record.samples or [None]
+            for k, s in enumerate(samples):
+                t = s.transcript if s is not None else None
+                ids = t.ids if t is not None else [self.tokenizer.eos_token_id]
+                has_lps &= t is None or len(t.logprobs) == len(t.ids)
+                rows["prompt_index"].append(self.index[i])
+                rows["prompt_ids"].append(t.prompt_ids if t is not None else self._empty_prompt(i))
+                rows["ids"].append(ids)
+                rows["mask"].append(t.mask if t is not None else [0])
+                rows["lps"].append(t.logprobs if t is not None else [0.0])
+                rows["truncated"].append(ended in ("max_turns", "max_tokens", "timeout"))
+                for key, value in (("reward", reward), ("turns", s.turns if s else 0),
+                                   ("tool_calls", s.tool_calls if s else 0), ("tool_errors", 0), ("ended", ended),
+                                   ("messages", record.messages), ("sample", k), ("final", k == len(samples) - 1)):
+                    episodes[key].append(value)
+                for key in ("turn_starts", "turn_history", "turn_observation"):
+                    episodes[key].append(getattr(s, key) if s else [])
+        return Generation(
+            prompt_index=rows["prompt_index"], completion_ids=rows["ids"],
+            texts=self.tokenizer.batch_decode(rows["ids"], skip_special_tokens=True), truncated=rows["truncated"],
+            logprobs=rows["lps"] if has_lps else None,
+            timings={"generate_s": seconds, "environment_s": waited}, prompt_ids=rows["prompt_ids"],
+            loss_mask=rows["mask"], episodes=episodes)
+
+    def _empty_prompt(self, i: int) -> list[int]:
+        prompt = self.rows[self.index[i]].get("prompt")
+        ids = self.tokenizer(prompt, add_special_tokens=False).input_ids if isinstance(prompt, str) else []
+        return ids or [self.tokenizer.eos_token_id]
+
+
+def _outcome(result) -> tuple[float, dict]:
+    if isinstance(result, Step):
+        return float(result.reward), dict(result.info)
+    if isinstance(result, dict):
+        return float(result.get("reward", 0.0)), {k: v for k, v in result.items() if k != "reward"}
+    return (0.0 if result is None else float(result)), {}
+
+
+async def _call(fn, *args):
+    """Await `fn(*args)`: a coroutine function on this loop, else in a daemon thread of its own (a sync call that
+    hangs past its episode's timeout is left behind, never waited for at exit)."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args)
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run():
+        try:
+            value = fn(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            return
+        loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
+
+    threading.Thread(target=run, daemon=True).start()
+    return await future
+
+
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
