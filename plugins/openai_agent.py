@@ -42,7 +42,7 @@ class OpenAIAgent(AgentEnvironment):
 
     class Config(AgentConfig):
         command: list[str] | None = None  # the program, started once per episode (see the module's docstring)
-        function: str | None = None  # `package.module:function`, called once per episode as fn(client, row, seed)
+        function: str | None = None  # `package.module:function` or `path/to/file.py:function`, called per episode
         env: dict[str, str] = Field(default_factory=dict)  # more environment variables for the command
 
         @model_validator(mode="after")
@@ -62,8 +62,10 @@ class OpenAIAgent(AgentEnvironment):
             so that an edit to the agent reruns the stages that use it."""
             paths = [a for a in self.command or [] if Path(a).is_file()]
             if self.function is not None:
-                spec = importlib.util.find_spec(self.function.split(":")[0])
-                paths += [spec.origin] if spec is not None and spec.origin and Path(spec.origin).is_file() else []
+                where = self.function.rpartition(":")[0]
+                spec = None if where.endswith(".py") else importlib.util.find_spec(where)
+                origin = where if spec is None else spec.origin
+                paths += [origin] if origin and Path(origin).is_file() else []
             return {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths}
 
     async def rollout(self, row: dict, seed: int, policy: Policy):
@@ -72,8 +74,7 @@ class OpenAIAgent(AgentEnvironment):
         return await self._command(row, seed, policy)
 
     async def _function(self, row: dict, seed: int, policy: Policy):
-        module, _, name = self.config.function.partition(":")
-        fn = getattr(importlib.import_module(module), name)
+        fn = load_function(self.config.function)
         if inspect.iscoroutinefunction(fn):
             async with policy.client() as client:
                 return result_of(await fn(client, row, seed), self.config.function)
@@ -87,10 +88,12 @@ class OpenAIAgent(AgentEnvironment):
 
     async def _command(self, row: dict, seed: int, policy: Policy):
         text = json.dumps(row, ensure_ascii=False, default=str)
+        # the program runs in a folder of its own: its files named relative to the stage's folder, made absolute
+        command = [str(Path(a).absolute()) if Path(a).is_file() else a for a in self.config.command]
         env = {**os.environ, **self.config.env, **policy.environ(), "ALIGNFLOW_ROW": text, "ALIGNFLOW_SEED": str(seed)}
         with tempfile.TemporaryDirectory(prefix="alignflow-agent-") as cwd:
             proc = await asyncio.create_subprocess_exec(
-                *self.config.command, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE,
+                *command, cwd=cwd, env=env, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 limit=OUTPUT_LIMIT)
             try:
@@ -113,6 +116,29 @@ class OpenAIAgent(AgentEnvironment):
             raise RuntimeError(f"agent program `{name}`: its last line is not a number or a JSON object: "
                                f"{lines[-1][:200]!r}") from None
         return result_of(value, name)
+
+
+def load_function(where: str):
+    """The function `module:name` or `path/to/file.py:name` names (a file is loaded once per process)."""
+    module, _, name = where.rpartition(":")
+    if module.endswith(".py"):
+        path = Path(module).absolute()
+        key = "alignflow_agent_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        if key not in _files:
+            spec = importlib.util.spec_from_file_location(key, path)
+            if spec is None or not path.is_file():
+                raise RuntimeError(f"agent function {where!r}: no Python file {path}")
+            _files[key] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(_files[key])
+        found = _files[key]
+    else:
+        found = importlib.import_module(module)
+    if not callable(getattr(found, name, None)):
+        raise RuntimeError(f"agent function {where!r}: {module} has no function {name!r}")
+    return getattr(found, name)
+
+
+_files: dict = {}  # agent files loaded, by path
 
 
 def result_of(value, who: str):

@@ -37,11 +37,16 @@ class Scored:
     correct: list[bool]
 
     def counts(self) -> list[int]:
-        """Correct completions per prompt."""
+        """Correct completions (episodes: their final samples) per prompt."""
         out = [0] * len(self.rows)
-        for i, ok in zip(self.generation.prompt_index, self.correct):
+        for i, ok in zip(self.generation.prompt_index, self.final_correct()):
             out[i] += ok
         return out
+
+    def final_correct(self) -> list[bool]:
+        """`correct`, with False on the samples of a driven episode before its last (one count per episode)."""
+        final = (self.generation.episodes or {}).get("final")
+        return self.correct if final is None else [ok and f for ok, f in zip(self.correct, final)]
 
 
 def reward_set(ctx) -> RewardSet:
@@ -194,8 +199,9 @@ def judge(rewards: RewardSet, prompts: list[str], texts: list[str],
 def accuracy_metrics(scored: Scored, ks: list[int] = (1,)) -> dict[str, float]:
     """accuracy, pass@k for each k <= n, mean length, truncation share, and reward means."""
     lengths = scored.generation.lengths
+    final = (scored.generation.episodes or {}).get("final")  # driven episodes: one count per episode
     metrics = {
-        "accuracy": sum(scored.correct) / len(scored.correct),
+        "accuracy": sum(scored.final_correct()) / (len(scored.correct) if final is None else sum(final)),
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": float(max(lengths)),
         "response_length/truncated": sum(scored.generation.truncated) / len(lengths),

@@ -218,3 +218,59 @@ def test_a_hanging_harness_times_out_and_the_others_go_on(tiny):
     assert time.perf_counter() - start < 60
     assert g.episodes["ended"] == ["done", "timeout"]
     assert episode_metrics(g.episodes)["episode/ended_timeout"] == 0.5
+
+
+class Scripted(HFSampler):
+    """Answers every row with the next of `texts` (and its stop token), log-prob -0.5 a token."""
+
+    def __init__(self, tok, texts):
+        super().__init__(HFSampler.Config())
+        self.tok, self.texts = tok, list(texts)
+
+    def generate(self, prompt_ids, n, gen, seed):
+        from alignflow.core.sampling import Generation
+
+        ids = [self.tok(self.texts.pop(0), add_special_tokens=False).input_ids + [self.tok.eos_token_id]
+               for _ in prompt_ids]
+        return Generation(list(range(len(ids))), ids, [""] * len(ids), [False] * len(ids), [[-0.5] * len(r) for r in ids])
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b",
+                                         "parameters": {"type": "object", "properties": {"expr": {"type": "string"}},
+                                                        "required": ["expr"]}}}
+
+
+class ToolUser(AgentEnvironment):
+    """Asks with a tool, runs the call the policy made, sends its result back, keeps the answers."""
+
+    seen: list = []
+
+    async def rollout(self, row, seed, policy):
+        async with policy.client() as client:
+            messages = [{"role": "user", "content": "2+3="}]
+            first = await client.chat.completions.create(model="m", messages=messages, tools=[ADD])
+            call = first.choices[0].message.tool_calls[0]
+            messages += [first.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+            second = await client.chat.completions.create(model="m", messages=messages, tools=[ADD])
+        type(self).seen = [first, second]
+        return 1.0
+
+
+def test_tool_calls_come_back_in_openai_shape_and_their_results_merge_as_context():
+    _, tok = policy()
+    sampler = Scripted(tok, ["let me see <call>add 2 3</call>", "<answer>5</answer>"])
+    g = episodes(ToolUser).generate(sampler, tok, ROWS[:1], 1, GenerationSettings(max_new_tokens=64), seed=0)
+    first, second = ToolUser.seen
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls" and message.content == "let me see"
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("add", '{"expr": "2 3"}')]
+    assert second.choices[0].message.content == "<answer>5</answer>" and second.choices[0].finish_reason == "stop"
+    assert len(g) == 1 and g.episodes["tool_calls"] == [1] and g.episodes["turns"] == [2]
+    eos = [tok.eos_token_id]
+    encode = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    call, result, answer = encode("let me see <call>add 2 3</call>") + eos, encode("<result>5</result>"), \
+        encode("<answer>5</answer>") + eos
+    assert g.completion_ids[0] == call + result + answer  # the sampled ids, the tool's result in the tag format
+    assert g.loss_mask[0] == [1] * len(call) + [0] * len(result) + [1] * len(answer)
+    assert g.logprobs[0] == [-0.5] * len(call) + [0.0] * len(result) + [-0.5] * len(answer)
