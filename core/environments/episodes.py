@@ -10,9 +10,7 @@ every RL loss through its response mask) works on episodes unchanged.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
-import json
 import logging
 import threading
 import time
@@ -22,6 +20,7 @@ from typing import Any, Callable
 from alignflow.core import seeds
 from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
 from alignflow.core.environments.chat import Transcript, as_messages
+from alignflow.core.environments.recording import state_hash
 from alignflow.core.environments.contract import Environment, Step, Turn
 from alignflow.core.environments.tools import ToolFormat, tool_format, tool_schema
 from alignflow.core.errors import AlignflowError
@@ -173,12 +172,6 @@ class _Run:
         self.transcript.add_reply(reply, ids)
         self.messages += said
         self.observation = said
-
-
-def state_hash(value) -> int:
-    """A 63-bit hash of JSON-able `value` (token ids, messages), the same in every process and on every rank."""
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def concurrently(calls: list[tuple]) -> list[Any]:

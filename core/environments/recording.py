@@ -10,6 +10,7 @@ turns differently) starts a new sample of the same episode, counted; nothing is 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,8 +135,6 @@ class EpisodeLog:
         self.calls += 1
 
     def _start_turn(self, sample: Sample) -> tuple[Sample, list[int]]:
-        from alignflow.core.environments.episodes import state_hash
-
         left = self.budget - len(sample.transcript.ids)
         if left <= 0:
             self.calls -= 1
@@ -205,3 +204,9 @@ def _norm(message: Message) -> tuple:
     calls = tuple((c["function"]["name"], json.dumps(_arguments(c["function"]), sort_keys=True))
                   for c in message.get("tool_calls") or [])
     return message.get("role"), text_of(message.get("content")), calls
+
+
+def state_hash(value) -> int:
+    """A 63-bit hash of JSON-able `value` (token ids, messages), the same in every process and on every rank."""
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1

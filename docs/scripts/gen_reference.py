@@ -34,6 +34,10 @@ ENVIRONMENT = {
                                 "CPU); unset: auto decides",
     "ALIGNFLOW_AUTO_OVERLAP": "`false`: `overlap_rollouts: auto` stays off (the test suite sets it, so its exact "
                               "comparisons see the synchronous rl stage); unset: auto decides",
+    "ALIGNFLOW_ROW": "set by the `openai_agent` environment for the program it starts per episode: the dataset row "
+                     "as JSON (also on its standard input); not read by alignflow",
+    "ALIGNFLOW_SEED": "set by the `openai_agent` environment for the program it starts per episode: the episode's "
+                      "seed; not read by alignflow",
     "ALIGNFLOW_OWN_PROCESS_GROUP": "internal: set beside RANK, WORLD_SIZE and MASTER_* when alignflow formed a "
                                    "one-process group itself, so processes started from it do not take them for a "
                                    "launcher's; not for users",
