@@ -306,8 +306,8 @@ async def _call(fn, *args):
     def run():
         try:
             value = fn(*args)
-        except BaseException as exc:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        except BaseException as exc:  # bound now: the name is unset once this block ends
+            loop.call_soon_threadsafe(lambda error=exc: future.done() or future.set_exception(error))
             return
         loop.call_soon_threadsafe(lambda: future.done() or future.set_result(value))
 
