@@ -78,14 +78,30 @@ class Failed(Exception):
         self.kind, self.retry, self.wait = kind, retry, wait  # retry: worth asking again; wait: the server's word
 
 
+def http_url(value: str) -> str:
+    """A config's server address: an http(s) URL, checked when the spec is, not at the first request."""
+    if not re.match(r"https?://[^/\s]+", value):
+        raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
+
+
 def new_counts(*extra: str) -> dict[str, float]:
     return dict.fromkeys((*COUNTS, *extra), 0.0)
 
 
-def lose(counts: dict[str, float], n: int, failure: Failed) -> None:
-    """Count `n` samples lost to `failure` under `failed` and under its kind."""
+def lose(counts: dict[str, float], n: int, failure: Failed, problems: list[str], where: str) -> None:
+    """Count `n` samples lost to `failure` under `failed` and under its kind; keep its message for `report`."""
     counts["failed"] += n
     counts[failure.kind] += n
+    problems.append(f"{where}: {failure}")
+
+
+def report(name: str, counts: dict[str, float], n: int, problems: list[str]) -> None:
+    """One warning per call, not one per failed request: a scorer that is down would flood the log."""
+    if problems:
+        kinds = ", ".join(f"{k} {int(counts[k])}" for k in COUNTS[1:-1] if counts[k])
+        log.warning("reward %s: %d of %d samples unscored (%s); first: %s", name, int(counts["failed"]), n, kinds,
+                    problems[0])
 
 
 def number(value: Any) -> float | None:
@@ -140,7 +156,7 @@ class Poster:
                 if not exc.retry:
                     raise
                 problem = exc
-        raise Failed(problem.kind, f"{problem} (after {o.retries + 1} attempts)")
+        raise Failed(problem.kind, f"{problem} (after {o.retries + 1} attempt{'s' if o.retries else ''})")
 
     async def _attempt(self, url: str, payload: Any) -> Any:
         import httpx

@@ -9,7 +9,6 @@ policy are the `remote` reward's (core/remote.py): a request that fails costs on
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import string
 from typing import Any
@@ -18,10 +17,9 @@ from pydantic import Field, field_validator
 
 from alignflow.core import hookimpl
 from alignflow.core.contracts import operational
-from alignflow.core.remote import Failed, Poster, RemoteOptions, lose, new_counts
+from alignflow.core.remote import Failed, Poster, RemoteOptions, http_url, lose, new_counts, report
 from alignflow.core.rewards import Scores
 
-log = logging.getLogger(__name__)
 TEMPLATE = (
     "Question: {prompt}\nReference answer: {answer}\nResponse: {completion}\n"
     "Is the response correct? Reply with one word: yes or no."
@@ -49,6 +47,11 @@ class OpenAIJudge:
             default_factory=lambda: {"yes": 1.0, "no": 0.0},
             description="a regex whose group 1 is the score, or verdict word -> score (case-insensitive)")
         max_tokens: int = Field(512, ge=1, description="the judge's reply budget")
+
+        @field_validator("base_url")
+        @classmethod
+        def _url(cls, v: str) -> str:
+            return http_url(v)
 
         @field_validator("template")
         @classmethod
@@ -117,7 +120,7 @@ class OpenAIJudge:
             texts.append(self.config.template.format(prompt=p, completion=c, **row))
         return texts
 
-    async def ask(self, poster: Poster, i: int, text: str, counts: dict[str, float]) -> str | None:
+    async def ask(self, poster: Poster, i: int, text: str, counts: dict[str, float], problems) -> str | None:
         """The judge's reply to one sample; None (counted) when the request or its reply failed."""
         c = self.config
         messages = ([{"role": "system", "content": c.system}] if c.system else []) + [{"role": "user", "content": text}]
@@ -132,15 +135,15 @@ class OpenAIJudge:
                 raise Failed("malformed", f"choices[0].message.content is {content!r}, not text")
             return content
         except Failed as exc:
-            lose(counts, 1, exc)
-            log.warning("reward openai_judge (%s): sample %d unscored: %s", c.model, i, exc)
+            lose(counts, 1, exc, problems, f"sample {i}")
             return None
 
     async def __call__(self, prompts: list[str], completions: list[str], **columns) -> Scores:
         texts = self.render(prompts, completions, columns)
-        counts = new_counts("unparsed")
+        counts, problems = new_counts("unparsed"), []
         async with Poster(self.config, self.headers) as poster:
-            replies = await asyncio.gather(*(self.ask(poster, i, t, counts) for i, t in enumerate(texts)))
+            replies = await asyncio.gather(*(self.ask(poster, i, t, counts, problems) for i, t in enumerate(texts)))
+        report(f"openai_judge ({self.config.model} at {self.url})", counts, len(texts), problems)
         values = [None if r is None else self.parse(r) for r in replies]
         counts["unparsed"] = float(sum(r is not None and v is None for r, v in zip(replies, values)))
         return Scores(values, counts)

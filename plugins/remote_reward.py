@@ -18,17 +18,14 @@ None for each, counted, as is a batch whose request failed after its retries (co
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from alignflow.core import hookimpl
 from alignflow.core.contracts import operational
-from alignflow.core.remote import Failed, Poster, RemoteOptions, lose, new_counts, number
+from alignflow.core.remote import Failed, Poster, RemoteOptions, http_url, lose, new_counts, number, report
 from alignflow.core.rewards import Scores
-
-log = logging.getLogger(__name__)
 
 
 class Remote:
@@ -43,6 +40,11 @@ class Remote:
         format: Literal["alignflow", "openrlhf"] = "alignflow"  # the request and reply JSON (module docstring)
         batch_size: int = operational(32, ge=1, description="samples per request (a sample's score must not "
                                       "depend on its batch)")
+
+        @field_validator("url")
+        @classmethod
+        def _url(cls, v: str) -> str:
+            return http_url(v)
 
     def __init__(self, config: Config):
         self.config = config
@@ -69,22 +71,20 @@ class Remote:
             raise Failed("malformed", f"{len(items)} rewards for a batch of {n}")
         return items
 
-    async def batch(self, poster: Poster, lo: int, prompts, completions, columns, values, counts) -> None:
+    async def batch(self, poster: Poster, lo: int, prompts, completions, columns, values, counts, problems) -> None:
         """Score samples lo.. of the call into `values`; a failure costs only these samples."""
         n = len(prompts)
         try:
             reply = await poster.post(self.config.url, self.payload(prompts, completions, columns), counts)
             items = self.scores(reply, n)
         except Failed as exc:
-            lose(counts, n, exc)
-            log.warning("reward remote (%s): samples %d-%d unscored: %s", self.config.model, lo, lo + n - 1, exc)
+            lose(counts, n, exc, problems, f"samples {lo}-{lo + n - 1}")
             return
         for i, item in enumerate(items):
             try:
                 values[lo + i] = number(item)
             except Failed as exc:
-                lose(counts, 1, exc)
-                log.warning("reward remote (%s): sample %d unscored: %s", self.config.model, lo + i, exc)
+                lose(counts, 1, exc, problems, f"sample {lo + i}")
 
     def sent_columns(self, columns: dict[str, Any], n: int) -> dict[str, list]:
         """The listed columns, one value per sample; a missing one is the pipeline's error, named."""
@@ -101,12 +101,13 @@ class Remote:
         n, size = len(prompts), self.config.batch_size
         sent = self.sent_columns(columns, n)
         values: list[float | None] = [None] * n
-        counts = new_counts()
+        counts, problems = new_counts(), []
         async with Poster(self.config, self.headers) as poster:
             await asyncio.gather(*(
                 self.batch(poster, lo, prompts[lo:lo + size], completions[lo:lo + size],
-                           {k: v[lo:lo + size] for k, v in sent.items()}, values, counts)
+                           {k: v[lo:lo + size] for k, v in sent.items()}, values, counts, problems)
                 for lo in range(0, n, size)))
+        report(f"remote ({self.config.model} at {self.config.url})", counts, n, problems)
         return Scores(values, counts)
 
 

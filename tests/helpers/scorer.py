@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ class Scorer:
 
     def __init__(self, rule: Callable[["Scorer", str, Any], tuple[int, Any]]):
         self.rule = rule
-        self.requests: list[dict] = []  # {"path", "body", "headers"} in arrival order
+        self.requests: list[dict] = []  # {"path", "body", "headers", "at": monotonic seconds} in arrival order
         self.attempts: dict[str, int] = {}  # a key the rule chooses -> times asked
         self.inflight = self.peak = 0
         self.lock = threading.Lock()
@@ -56,7 +57,8 @@ def _handler(scorer: Scorer):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"null")
             with scorer.lock:
-                scorer.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                scorer.requests.append({"path": self.path, "body": body, "headers": dict(self.headers),
+                                        "at": time.monotonic()})
                 scorer.inflight += 1
                 scorer.peak = max(scorer.peak, scorer.inflight)
             try:

@@ -2,6 +2,7 @@
 over batches, both wire formats, retries, a scorer down, hung or answering nonsense, the concurrency limit."""
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -73,11 +74,14 @@ def test_a_503_is_retried_then_scored():
             return 503, {"error": "warming up"}
         return alignflow_rule(scorer, path, body)
 
+    random.seed(7)
+    state = random.getstate()
     with Scorer(rule) as scorer:
         out = score(scorer.url, batch_size=4)
     assert out.values["remote"] == exact(PROMPTS, COMPLETIONS, ANSWERS)
     assert scorer.attempts == {PROMPTS[0]: 2, PROMPTS[4]: 2} and len(scorer.requests) == 4
     assert out.metrics["reward/remote/retries"] == 2 and out.metrics["reward/remote/failed"] == 0
+    assert random.getstate() == state  # the jitter draws from its own generator, not the stage's seeded one
 
 
 @pytest.mark.system
@@ -90,22 +94,27 @@ def test_a_batch_its_scorer_keeps_failing_costs_only_its_samples():
         return alignflow_rule(scorer, path, body)
 
     with Scorer(rule) as scorer:
-        out = score(scorer.url, batch_size=3, retries=2)
+        out = score(scorer.url, batch_size=3, retries=2, backoff_s=0.1)
     expected = exact(PROMPTS, COMPLETIONS, ANSWERS)
     assert out.values["remote"] == expected[:3] + [None] * 3 + expected[6:]
     assert scorer.attempts[PROMPTS[3]] == 3 and scorer.attempts[PROMPTS[0]] == scorer.attempts[PROMPTS[6]] == 1
+    at = [r["at"] for r in scorer.requests if r["body"]["prompts"][0] == PROMPTS[3]]
+    first, second = at[1] - at[0], at[2] - at[1]
+    assert 0.1 <= first < 1.0 and 0.2 <= second < 1.5, (first, second)  # backoff_s, then doubled (+ jitter)
     m = out.metrics
     assert (m["reward/remote/failed"], m["reward/remote/http_error"], m["reward/remote/retries"]) == (3, 3, 2)
     assert m["reward/remote/none"] == 3 and m["reward/total/mean"] == sum(expected[:3] + expected[6:]) / 8
 
 
 @pytest.mark.system
-def test_a_scorer_that_is_not_there_gives_none_counted():
+def test_a_scorer_that_is_not_there_gives_none_counted(caplog):
     with Scorer(alignflow_rule) as scorer:
         url = scorer.url  # a port that nothing listens on once the server is stopped
     out = score(url, batch_size=4, retries=1)
     assert out.values["remote"] == [None] * 8
     assert out.metrics["reward/remote/unreachable"] == 8 and out.metrics["reward/remote/retries"] == 2
+    warnings = [r.getMessage() for r in caplog.records if "unscored" in r.getMessage()]
+    assert len(warnings) == 1 and "8 of 8 samples unscored (unreachable 8)" in warnings[0]  # one per call
 
 
 @pytest.mark.system
@@ -175,6 +184,8 @@ def test_config_takes_a_variable_name_never_a_key(monkeypatch):
         Remote.Config(**base, headers={"Authorization": "Bearer sk"})
     with pytest.raises(ValidationError, match="version"):
         Remote.Config(url="http://127.0.0.1:9", model="m")
+    with pytest.raises(ValidationError, match="http:// or https:// URL"):
+        Remote.Config(**{**base, "url": "rm-host:8000/score"})
     monkeypatch.delenv("UNSET_SCORER_KEY", raising=False)
     with pytest.raises(ValueError, match="UNSET_SCORER_KEY is not set"):
         Remote(Remote.Config(**base, api_key_env="UNSET_SCORER_KEY"))
