@@ -170,6 +170,8 @@ class Poster:
         except (asyncio.TimeoutError, httpx.TimeoutException):
             # a scorer that hangs would cost every retry the whole timeout: it is given up at once
             raise Failed("timeout", f"no answer within timeout_s={o.timeout_s}") from None
+        except httpx.TransportError as exc:  # a proxy's refusal, a protocol the URL's scheme does not speak
+            raise Failed("unreachable", f"{type(exc).__name__}: {exc}") from None
         if response.status_code == 429 or response.status_code >= 500:
             raise Failed("http_error", f"HTTP {response.status_code}: {response.text[:200]}", retry=True,
                          wait=retry_after(response))
