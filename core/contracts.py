@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 StageKind = Literal[
     "select", "sft", "reward_model", "prm", "preference", "rl", "rejection_sampling", "critique_revise",
@@ -17,6 +17,42 @@ class PluginConfig(BaseModel):
     """Base for every plugin's `Config`: unknown fields are errors, not silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+NOT_IN_DIGEST = {"digest": False}  # a field's `json_schema_extra` that keeps it out of the stage digest
+
+
+def operational(default: Any = ..., **kwargs: Any) -> Any:
+    """A config field about how a plugin reaches what it uses (a server's URL, timeouts, retries), not what
+    it computes: `digest_dump` leaves it out, so moving a scorer to another host reruns no stage."""
+    return Field(default, json_schema_extra=NOT_IN_DIGEST, **kwargs)
+
+
+def is_operational(field: Any) -> bool:
+    """Whether a pydantic `FieldInfo` is marked `json_schema_extra={"digest": False}`."""
+    extra = getattr(field, "json_schema_extra", None)
+    return isinstance(extra, dict) and extra.get("digest") is False
+
+
+def digest_dump(model: BaseModel) -> dict:
+    """`model_dump(mode="json")` without its operational fields, at any depth: what a stage digest hashes."""
+    return model.model_dump(mode="json", exclude=_operational(model) or None)
+
+
+def _operational(value: Any) -> Any:
+    """Pydantic's `exclude` for the operational fields within `value` (a model, or a list or dict of them)."""
+    if isinstance(value, BaseModel):
+        out = {}
+        for name, field in type(value).model_fields.items():
+            inner = True if is_operational(field) else _operational(getattr(value, name))
+            if inner:
+                out[name] = inner
+        return out
+    if isinstance(value, (list, tuple)):
+        return {i: inner for i, item in enumerate(value) if (inner := _operational(item))}
+    if isinstance(value, dict):
+        return {k: inner for k, item in value.items() if (inner := _operational(item))}
+    return {}
 
 
 class Algorithm:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from alignflow.core.contracts import is_operational
 from alignflow.core.registry import Entry
 
 
@@ -92,7 +93,7 @@ def fields(obj: Any) -> list[dict]:
             # each field's own default: a config with a required field has no default instance to dump
             "default": "required" if field.is_required() else
             TypeAdapter(Any).dump_python(field.get_default(call_default_factory=True), mode="json"),
-            "description": field.description or comments.get(name, ""),
+            "description": _described(field, field.description or comments.get(name, "")),
         })
     return out
 
@@ -179,8 +180,13 @@ def _row(name: str, field, default: Any, comments: dict[str, str]) -> str:
     bounds = _bounds(field)
     kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
     default = "required" if field.is_required() else json.dumps(default)
-    description = field.description or comments.get(name, "")
+    description = _described(field, field.description or comments.get(name, ""))
     return f"| `{name}` | {_cell(kind, True)} | {_cell(default, True)} | {_cell(description)} |"
+
+
+def _described(field, text: str) -> str:
+    """A field's description, saying so when it stays out of the stage digest (`operational`)."""
+    return f"{text} (not in the digest)".lstrip() if is_operational(field) else text
 
 
 def model_table(model, notes: dict[str, str] | None = None) -> str:

@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from alignflow.core import pyast
+from alignflow.core.contracts import digest_dump
 from alignflow.core.spec.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
@@ -266,12 +267,13 @@ def data_version(project: Path) -> str | None:
 
 
 def stage_config(name: str, stage: StageSpec, plugins) -> dict:
-    """The stage's config: its checked plugin configs and settings (core/spec/stage.py), defaults filled, as JSON."""
+    """The stage's config: its checked plugin configs and settings (core/spec/stage.py), defaults filled, as JSON,
+    without operational fields (`alignflow.core.contracts.operational`: a scorer's URL, timeouts)."""
     where = f"stage {name!r}"
 
     def ref(r, registry, field):
         cfg = r.validated(registry, f"{where}, {field}")
-        out = {"name": r.name, "config": cfg.model_dump(mode="json") if cfg is not None else {}}
+        out = {"name": r.name, "config": digest_dump(cfg) if cfg is not None else {}}
         return {**out, "weight": r.weight} if hasattr(r, "weight") else out
 
     config = {
@@ -280,7 +282,7 @@ def stage_config(name: str, stage: StageSpec, plugins) -> dict:
         "sampler": ref(stage.sampler, plugins.samplers, "sampler") if stage.sampler else None,
         "rewards": [ref(r, plugins.rewards, f"rewards[{i}]") for i, r in enumerate(stage.rewards)],
         "selectors": [ref(s, plugins.selectors, f"selectors[{i}]") for i, s in enumerate(stage.selectors)],
-        "settings": stage.validated_settings(f"{where}, settings").model_dump(mode="json"),
+        "settings": digest_dump(stage.validated_settings(f"{where}, settings")),
     }
     if stage.environment is not None:  # only then: the digests of stages without one stay as they were
         env = stage.environment

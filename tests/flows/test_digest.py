@@ -239,3 +239,44 @@ def test_compute_library_versions_enter_the_digest_and_the_hardware_does_not(tmp
         assert digests(project) == base
     finally:
         fp.cpu.cache_clear()
+
+
+def test_operational_config_fields_stay_out_of_the_digest(tmp_path):
+    """A remote scorer moved to another host, given more time or more connections, reruns nothing; a new
+    declared version (or model) of the scorer reruns the stage that scored with it."""
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "completion": "2", "answer": "2"}\n')
+
+    def plan(**remote):
+        config = {"url": "http://rm-a:8000/score", "model": "rm", "version": "1", **remote}
+        spec = parse_spec({"name": "p", "stages": {
+            "eval": {"kind": "evaluate", "inputs": {"model": "builtin:tiny", "dataset": "rows.jsonl"},
+                     "rewards": [{"name": "remote", "config": config}]}}})
+        return plan_pipeline(spec, tmp_path, get_plugins())["eval"]
+
+    base = plan()
+    assert "url" not in base.config["rewards"][0]["config"]  # nor in the manifest or MLflow's params
+    moved = plan(url="https://rm-b.example:443/v2/score", timeout_s=5, retries=9, max_concurrency=64,
+                 headers={"X-Team": "rl"}, api_key_env="RM_KEY", batch_size=4)
+    assert moved.digest == base.digest
+    assert plan(version="2").digest != base.digest
+    assert plan(model="rm-large").digest != base.digest
+
+
+def test_digest_dump_drops_operational_fields_at_any_depth():
+    from pydantic import BaseModel
+
+    from alignflow.core.contracts import digest_dump, operational
+
+    class Inner(BaseModel):
+        host: str = operational("a")
+        size: int = 1
+
+    class Outer(BaseModel):
+        inner: Inner = Inner()
+        many: list[Inner] = [Inner(), Inner(size=2)]
+        named: dict[str, Inner] = {"x": Inner()}
+        port: int = operational(80)
+
+    assert digest_dump(Outer()) == {"inner": {"size": 1}, "many": [{"size": 1}, {"size": 2}],
+                                    "named": {"x": {"size": 1}}}
+    assert digest_dump(Inner(host="b")) == digest_dump(Inner()) != digest_dump(Inner(size=3))
