@@ -51,7 +51,7 @@ class McpServer(BaseModel):
     @model_validator(mode="after")
     def _one_transport(self):
         if (self.command is None) == (self.url is None):
-            raise ValueError("give a server either `command` (a stdio server) or `url` (streamable HTTP), not both")
+            raise ValueError("give a server exactly one of `command` (a stdio server) and `url` (streamable HTTP)")
         if self.command is not None and not self.command:
             raise ValueError("`command` is empty: expected the program and its arguments, e.g. [mcp-server-time]")
         if self.url is not None:
