@@ -33,7 +33,6 @@ from alignflow.core.environments.tools import ToolError
 
 log = logging.getLogger(__name__)
 STOP_S = 15.0  # the SDK stops a stdio server within 6 s (stdin closed, 2 s; SIGTERM, 2 s; SIGKILL): room beyond it
-LOOPBACK = {"localhost"}
 
 
 class McpServer(BaseModel):
@@ -71,7 +70,7 @@ class McpServer(BaseModel):
 
 def _loopback(host: str | None) -> bool:
     try:
-        return host in LOOPBACK or (host is not None and ipaddress.ip_address(host).is_loopback)
+        return host == "localhost" or (host is not None and ipaddress.ip_address(host).is_loopback)
     except ValueError:
         return False
 
@@ -126,7 +125,7 @@ class McpSessions:
         """Stop every server (a stdio server's process ends) and the loop's thread."""
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(STOP_S * max(len(self.servers), 1))
+        self._thread.join(STOP_S)  # the servers stop at once, each in its own task
         if self._thread.is_alive():
             log.warning("MCP servers %s did not stop within %.0f s", [s.label for s in self.servers], STOP_S)
 

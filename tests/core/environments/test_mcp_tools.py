@@ -210,3 +210,15 @@ def test_two_tools_of_one_name_are_an_error_and_the_servers_stop():
                                            r"and from MCP server .*mcp_server.py\); keep one with `tools:`"):
         clash.generate(Scripted(lambda c, t: ""), TOK, [{"prompt": "1+1=", "answer": "2"}], 1, GEN, seed=0)
     assert children() == before  # a failed batch stops its servers too
+
+
+def test_an_interrupted_batch_stops_its_servers():
+    class Interrupted(Scripted):
+        def generate(self, prompt_ids, n, gen, seed):
+            raise KeyboardInterrupt  # Ctrl-C while the model writes its first turn
+
+    before = children()
+    with pytest.raises(KeyboardInterrupt):
+        Episodes(Bare, Bare.Config(), mcp=[STDIO]).generate(Interrupted(None), TOK, [{"prompt": "1+1=", "answer": "2"}],
+                                                            1, GEN, seed=0)
+    assert children() == before
