@@ -106,6 +106,16 @@ def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
     assert "mcp" not in stage_config("rl", without.stages["rl"], plugins)["environment"]  # earlier digests stay
 
 
+def test_a_stage_s_episodes_carry_its_mcp_servers(tmp_path):
+    from alignflow.flows.stages.scoring import episodes_of
+    from helpers.stages import stage_context
+
+    spec = parse(rl__environment={"name": "math_tools", "mcp": [TIME]})
+    ctx = stage_context(tmp_path, spec, "rl", settings=spec.stages["rl"].validated_settings())
+    episodes = episodes_of(ctx)
+    assert [s.command for s in episodes.mcp] == [TIME["command"]] and episodes.mcp[0].tools == ["convert_time"]
+
+
 def test_a_task_librarys_version_enters_the_digest_of_a_stage_that_uses_it():
     spec = parse(rl__rewards=["reasoning_gym"])
     versions = plugin_versions(spec.stages["rl"], get_plugins())

@@ -103,8 +103,9 @@ def time_server(tmp_path, *args) -> McpServer:
     return McpServer(command=["mcp-server-time", *args], cwd=str(tmp_path), timeout_s=10.0)
 
 
-def test_a_published_server_from_pypi_converts_between_fixed_zones(tmp_path):
+def test_a_published_server_from_pypi_converts_between_fixed_zones(tmp_path, monkeypatch):
     pytest.importorskip("mcp_server_time")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a virtual environment not activated: its script is found beside Python
     with mcp_tools([time_server(tmp_path, "--local-timezone", "UTC")]) as tools:
         by_name = {t.__name__: t for t in tools}
         assert sorted(by_name) == ["convert_time", "get_current_time"]
