@@ -22,7 +22,6 @@ class ToolCall:
     error: str | None = None
 
 
-
 class ToolError(Exception):
     """A tool's own report that a call failed (bad input, a server's error result, no answer in time): the model
     reads `error: NAME: message`."""
