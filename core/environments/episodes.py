@@ -53,6 +53,8 @@ class Episodes:
     def generate(self, sampler, tokenizer, rows: list[dict], n: int, gen, seed: int) -> Generation:
         """`n` episodes per row (the `n` of a row start from the same seed), as one Generation."""
         if issubclass(self.environment, AgentEnvironment):  # it drives its episodes through the policy endpoint
+            if self.mcp:
+                raise EpisodeError(f"environment {self.name!r} drives its own episodes: it takes no MCP servers")
             stops = getattr(sampler, "stop_ids", None) or {tokenizer.eos_token_id}
             return DrivenEpisodes(self, tokenizer, rows, n, gen, seed, stops).run(sampler)
         start = time.perf_counter()

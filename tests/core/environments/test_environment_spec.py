@@ -87,6 +87,9 @@ def test_mcp_servers_are_checked_as_the_spec_is_read():
         assert says in str(info.value)
     spec = parse(rl__environment={"name": "math_tools", "mcp": [{"url": "http://localhost:8000/mcp"}]})
     assert spec.stages["rl"].environment.mcp[0].label == "http://localhost:8000/mcp"
+    agent = {"name": "openai_agent", "config": {"command": ["my-agent"]}, "mcp": [TIME]}
+    with pytest.raises(SpecError, match=r"stage 'rl', environment.mcp: 'openai_agent' drives its own episodes"):
+        parse(rl__environment=agent)
 
 
 def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
