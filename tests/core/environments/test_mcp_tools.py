@@ -48,7 +48,7 @@ def test_a_stdio_server_s_tools_keep_its_schemas_and_every_failure_is_a_counted_
     assert texts[4] == "error: hang: no answer within 1 s"
     assert texts[6].startswith("error: unknown tool 'nope' (tools: add, calculator, fail, hang, pid)")
     assert errors == 4
-    assert 1.0 <= took < 5.0  # the hang costs its timeout, not its 30 s
+    assert 1.0 <= took < 10.0  # the hang costs its timeout, not its 30 s
 
 
 def test_a_kept_tool_the_server_lacks_is_named():
