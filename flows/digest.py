@@ -288,6 +288,9 @@ def stage_config(name: str, stage: StageSpec, plugins) -> dict:
         env = stage.environment
         config["environment"] = {**ref(env, plugins.environments, "environment"), "max_turns": env.max_turns,
                                  "max_tokens": env.max_tokens, "tool_format": env.tool_format}
+        if env.mcp:  # only then, likewise: a different server, command or tool list is a different tool set
+            config["environment"]["mcp"] = [server.model_dump(mode="json", exclude={"start_timeout_s"})
+                                            for server in env.mcp]
     return config
 
 

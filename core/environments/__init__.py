@@ -1,6 +1,8 @@
 """Environments: multi-turn, tool-using episodes (the contract, tools, token-in/token-out transcripts, rollouts)."""
 
-from alignflow.core.environments.contract import Environment, Message, Step, ToolCall, Turn
-from alignflow.core.environments.tools import call_tools, python, tool_schema
+from alignflow.core.environments.contract import Environment, EpisodeError, Message, Step, ToolCall, Turn
+from alignflow.core.environments.mcp import McpServer
+from alignflow.core.environments.tools import ToolError, call_tools, python, tool_schema
 
-__all__ = ["Environment", "Message", "Step", "ToolCall", "Turn", "call_tools", "python", "tool_schema"]
+__all__ = ["Environment", "EpisodeError", "McpServer", "Message", "Step", "ToolCall", "ToolError", "Turn",
+           "call_tools", "python", "tool_schema"]

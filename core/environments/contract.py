@@ -7,16 +7,26 @@ reward for the turn and whether the episode is over; `close` releases what it he
 
 The default `step` serves the common case, a task with tools: a turn with tool calls gets their results
 (an error observation for a malformed call, an unknown tool or one that raises, never an exception) and
-the episode goes on; a turn without any is the final answer, scored by `score`.
+the episode goes on; a turn without any is the final answer, scored by `score`. The tools are `tools()` and
+those of the MCP servers the stage declares or `mcp_servers()` names, started once per batch of episodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 from alignflow.core.contracts import PluginConfig
 from alignflow.core.environments.tools import Message, ToolCall, call_tools
+from alignflow.core.errors import AlignflowError
+
+if TYPE_CHECKING:
+    from alignflow.core.environments.mcp import McpServer
+
+
+class EpisodeError(AlignflowError):
+    """An environment broke its contract where no episode can go on (a failing `reset`, an MCP server that does
+    not start)."""
 
 
 @dataclass
@@ -48,6 +58,7 @@ class Environment:
     """Base for environment plugins: override `reset` and `score` (and `tools`), or `step` for any protocol."""
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
+    mcp_tools: tuple = ()  # the batch's MCP servers' tools, set before `reset` (core/environments/mcp.py)
 
     def __init__(self, config: PluginConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -60,11 +71,20 @@ class Environment:
         """Functions the model may call; each one's JSON schema comes from its signature and docstring."""
         return []
 
+    def mcp_servers(self) -> list["McpServer"]:
+        """MCP servers whose tools this environment's episodes get beside `tools()`, with the stage's `mcp` list;
+        asked once per batch of episodes, which shares them."""
+        return []
+
+    def all_tools(self) -> list[Callable[..., Any]]:
+        """`tools()` and the MCP servers' tools: what the model is shown and the default `step` calls."""
+        return [*self.tools(), *self.mcp_tools]
+
     def step(self, turn: Turn) -> Step:
         """Run the turn's tool calls and go on; a turn without tool calls is the answer: `score` it and end."""
         if not turn.tool_calls:
             return Step(reward=float(self.score(turn.text)), done=True)
-        results, errors = call_tools(self.tools(), turn.tool_calls)
+        results, errors = call_tools(self.all_tools(), turn.tool_calls)
         return Step(observation=results, tool_calls=len(turn.tool_calls), tool_errors=errors)
 
     def score(self, answer: str) -> float:

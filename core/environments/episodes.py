@@ -14,16 +14,16 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from alignflow.core import seeds
 from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
 from alignflow.core.environments.chat import Transcript, as_messages
+from alignflow.core.environments.contract import Environment, EpisodeError, Step, Turn
+from alignflow.core.environments.mcp import McpServer, mcp_tools
 from alignflow.core.environments.recording import state_hash
-from alignflow.core.environments.contract import Environment, Step, Turn
 from alignflow.core.environments.tools import ToolFormat, tool_format, tool_schema
-from alignflow.core.errors import AlignflowError
 from alignflow.core.sampling import Generation
 
 log = logging.getLogger(__name__)
@@ -32,10 +32,6 @@ ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error", "timeout")
 # the model had read before it: the whole context (prompt, earlier turns and replies) and the environment's
 # latest observation alone (the first messages before turn 0, else the reply to the previous turn).
 TURN_RECORDS = ("turn_starts", "turn_history", "turn_observation")
-
-
-class EpisodeError(AlignflowError):
-    """An environment broke its contract where no episode can go on (a failing `reset`)."""
 
 
 @dataclass
@@ -48,6 +44,7 @@ class Episodes:
     max_tokens: int | None = None  # model and environment tokens after the prompt; None: max_turns x max_new_tokens
     tool_format: str = "auto"
     name: str = "environment"
+    mcp: list[McpServer] = field(default_factory=list)  # MCP servers whose tools every episode gets
 
     def budget(self, gen) -> int:
         """The most tokens an episode holds after its prompt."""
@@ -56,26 +53,32 @@ class Episodes:
     def generate(self, sampler, tokenizer, rows: list[dict], n: int, gen, seed: int) -> Generation:
         """`n` episodes per row (the `n` of a row start from the same seed), as one Generation."""
         if issubclass(self.environment, AgentEnvironment):  # it drives its episodes through the policy endpoint
+            if self.mcp:
+                raise EpisodeError(f"environment {self.name!r} drives its own episodes: it takes no MCP servers")
             stops = getattr(sampler, "stop_ids", None) or {tokenizer.eos_token_id}
             return DrivenEpisodes(self, tokenizer, rows, n, gen, seed, stops).run(sampler)
         start = time.perf_counter()
         fmt = tool_format(self.tool_format, tokenizer)
         envs = [self.environment(self.config) for _ in rows for _ in range(n)]
         index = [i for i in range(len(rows)) for _ in range(n)]
-        try:
-            firsts = concurrently([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
-            for i, first in zip(index, firsts):
-                if isinstance(first, BaseException):
-                    raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
-                                       f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
-            tools = {fn.__name__: tool_schema(fn) for fn in envs[0].tools()} if envs else {}  # alike in every episode
-            runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
-                         as_messages(first)) for env, first in zip(envs, firsts)]
-            has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools)
-        finally:
-            for result in concurrently([(env.close,) for env in envs]):
-                if isinstance(result, BaseException):
-                    log.warning("environment %r failed to close an episode: %s", self.name, result)
+        servers = [*self.mcp, *envs[0].mcp_servers()] if envs else []
+        with mcp_tools(servers) as served:  # started for this batch, stopped however it ends
+            try:
+                for env in envs:
+                    env.mcp_tools = tuple(served)
+                firsts = concurrently([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
+                for i, first in zip(index, firsts):
+                    if isinstance(first, BaseException):
+                        raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
+                                           f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
+                tools = tool_schemas(envs[0], self.name) if envs else {}  # alike in every episode
+                runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
+                             as_messages(first)) for env, first in zip(envs, firsts)]
+                has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools)
+            finally:
+                for result in concurrently([(env.close,) for env in envs]):
+                    if isinstance(result, BaseException):
+                        log.warning("environment %r failed to close an episode: %s", self.name, result)
         completions = [r.transcript.ids for r in runs]
         return Generation(
             prompt_index=index, completion_ids=completions,
@@ -197,6 +200,18 @@ def concurrently(calls: list[tuple]) -> list[Any]:
     worker.start()
     worker.join()
     return out
+
+
+def tool_schemas(env: Environment, name: str) -> dict[str, dict]:
+    """Tool name -> the JSON schema an episode of `env` is shown, for `all_tools()`; one name twice is an error."""
+    schemas, sources = {}, {}
+    for tool in env.all_tools():
+        source = f"MCP server {tool.server.label}" if hasattr(tool, "server") else "its tools()"
+        if tool.__name__ in schemas:
+            raise EpisodeError(f"environment {name!r}: two tools are named {tool.__name__!r} "
+                               f"(from {sources[tool.__name__]} and from {source}); keep one with `tools:`")
+        schemas[tool.__name__], sources[tool.__name__] = tool_schema(tool), source
+    return schemas
 
 
 def _row_text(row: dict) -> str:

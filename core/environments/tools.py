@@ -21,13 +21,21 @@ class ToolCall:
     arguments: dict[str, Any]
     error: str | None = None
 
+
+class ToolError(Exception):
+    """A tool's own report that a call failed (bad input, a server's error result, no answer in time): the model
+    reads `error: NAME: message`."""
+
+
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The OpenAI/Hermes function schema of `fn`: its name, its docstring's first paragraph, one property per
-    parameter (the JSON type of its annotation; its description from an `Args:` section), those without a
-    default required."""
+    """The OpenAI/Hermes function schema of `fn`: a tool object's own `schema` (an MCP server's tool), else its
+    name, its docstring's first paragraph, one property per parameter (the JSON type of its annotation; its
+    description from an `Args:` section), those without a default required."""
+    if getattr(fn, "schema", None) is not None:
+        return fn.schema
     doc = inspect.getdoc(fn) or ""
     summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
     described = _arg_docs(doc)
@@ -124,7 +132,8 @@ def tool_format(name: str, tokenizer=None) -> ToolFormat:
 
 def call_tools(tools: list[Callable[..., Any]], calls: list[ToolCall]) -> tuple[list[Message], int]:
     """Each call's result as a `tool` message, and how many failed. A malformed call, an unknown tool, wrong
-    arguments or a tool that raises answers with an error the model can read; nothing is raised."""
+    arguments or a tool that raises (a `ToolError` among others) answers with an error the model can read;
+    nothing is raised. A tool is a function or an object with `__name__`, `schema` and `__call__`."""
     by_name = {fn.__name__: fn for fn in tools}
     messages, errors = [], 0
     for call in calls:
@@ -141,11 +150,14 @@ def _run(by_name: dict[str, Callable], call: ToolCall) -> tuple[str, bool]:
     if fn is None:
         return f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(by_name)) or 'none'})", True
     try:
-        inspect.signature(fn).bind(**call.arguments)
+        if getattr(fn, "schema", None) is None:  # a tool with its own schema checks its arguments itself
+            inspect.signature(fn).bind(**call.arguments)
     except TypeError as exc:
         return f"error: {call.name}: {exc}", True
     try:
         result = fn(**call.arguments)
+    except ToolError as exc:
+        return f"error: {call.name}: {exc}", True
     except Exception as exc:  # the model's call failed, not the stage
         return f"error: {call.name} raised {type(exc).__name__}: {exc}", True
     return (result if isinstance(result, str) else json.dumps(result)), False

@@ -218,8 +218,20 @@ def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> list[str
     for i, ref in enumerate(stage.selectors):
         check(f"selectors[{i}]", ref, plugins.selectors)
     if stage.environment is not None:
-        check("environment", stage.environment, plugins.environments)
+        check("environment", stage.environment, plugins.environments, lambda env: _check_mcp(where, stage, env))
     return problems
+
+
+def _check_mcp(where: str, stage: StageSpec, env) -> None:
+    """An `mcp` list serves environments played turn by turn; an agent environment runs its own tool calls."""
+    if not stage.environment.mcp:
+        return
+    from alignflow.core.environments.agents import AgentEnvironment
+
+    if isinstance(env, type) and issubclass(env, AgentEnvironment):
+        raise SpecError(f"{where}, environment.mcp: {stage.environment.name!r} drives its own episodes through "
+                        "the policy endpoint and calls its tools itself; MCP servers serve environments whose "
+                        "turns the default step answers")
 
 
 def _check_teacher(where: str, stage: StageSpec, algo) -> None:

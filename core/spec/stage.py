@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from alignflow.core.contracts import PluginConfig, StageKind, plugin_config_model
+from alignflow.core.environments.mcp import McpServer
 from alignflow.core.errors import PluginError, SpecError
 from alignflow.core.spec.kinds import settings_model
 
@@ -109,6 +110,7 @@ class EnvironmentRef(PluginRef):
     max_tokens: int | None = Field(None, ge=1)  # model and environment tokens after the prompt (None: turns x max_new_tokens)
     tool_format: Literal["auto", "hermes", "tag"] = "auto"  # auto: hermes when the chat template knows tool calls
     weight: float = 1.0  # of the episode's reward beside the stage's `rewards`
+    mcp: list[McpServer] = Field(default_factory=list)  # MCP servers whose tools every episode gets beside the environment's own
 
 
 def lookup(where: str, ref: PluginRef, registry):

@@ -85,13 +85,16 @@ def pipeline_page() -> str:
     """The fields of a pipeline YAML, from the pydantic models that parse it."""
     from alignflow.core.describe import model_table
     from alignflow.core.spec.rounds import LoopSpec
+    from alignflow.core.environments.mcp import McpServer
     from alignflow.core.spec.schema import PipelineSpec, PluginRef, RewardRef, StageSpec
+    from alignflow.core.spec.stage import EnvironmentRef
 
     out = ["# Pipeline YAML", "", "Generated from the pydantic models that parse a pipeline file. Unknown fields "
            "are errors. A stage's `settings` are validated by its kind's model ([settings](settings.md)); a "
            "plugin's `config` by the plugin's own `Config` ([plugins](plugins.md)).", ""]
     for title, model in (("The pipeline", PipelineSpec), ("A stage", StageSpec), ("A loop", LoopSpec),
-                         ("A plugin reference", PluginRef), ("A reward reference", RewardRef)):
+                         ("A plugin reference", PluginRef), ("A reward reference", RewardRef),
+                         ("An environment reference", EnvironmentRef), ("An MCP server", McpServer)):
         owners = [cls.__name__ for cls in reversed(model.__mro__)]  # a base's note serves a subclass
         notes = {k.split(".", 1)[1]: v for k, v in FIELD_NOTES.items() if k.split(".", 1)[0] in owners}
         stale = {k for k in FIELD_NOTES if k.startswith(model.__name__ + ".")} - \

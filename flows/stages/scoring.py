@@ -75,7 +75,7 @@ def episodes_of(ctx) -> Episodes | None:
         return None
     cls = ctx.plugins.environments.get(env.name)
     config = env.validated(ctx.plugins.environments, f"stage {ctx.name!r}, environment")
-    return Episodes(cls, config, env.max_turns, env.max_tokens, env.tool_format, env.name)
+    return Episodes(cls, config, env.max_turns, env.max_tokens, env.tool_format, env.name, list(env.mcp))
 
 
 def _input_value(ctx, value):

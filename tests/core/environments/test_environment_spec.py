@@ -74,6 +74,51 @@ def test_the_digest_holds_the_environment_its_limits_and_its_code_and_stages_wit
     assert "environment" not in stage_config("rl", plain.stages["rl"], plugins)  # earlier digests stay valid
 
 
+TIME = {"command": ["mcp-server-time", "--local-timezone", "UTC"], "tools": ["convert_time"]}
+
+
+def test_mcp_servers_are_checked_as_the_spec_is_read():
+    for server, says in [({"url": "http://10.0.0.5:8000/mcp"}, "must listen on this machine's loopback"),
+                         ({**TIME, "url": "http://127.0.0.1:8000/mcp"}, "exactly one of `command`"),
+                         ({"url": "http://[::1]:8000/mcp", "cwd": "/tmp"}, "`env` and `cwd` are for a `command`"),
+                         ({"command": []}, "`command` is empty"), ({**TIME, "timeout_s": 0}, "timeout_s")]:
+        with pytest.raises(SpecError, match="stages.rl.environment.mcp.0") as info:
+            parse(rl__environment={"name": "math_tools", "mcp": [server]})
+        assert says in str(info.value)
+    spec = parse(rl__environment={"name": "math_tools", "mcp": [{"url": "http://localhost:8000/mcp"}]})
+    assert spec.stages["rl"].environment.mcp[0].label == "http://localhost:8000/mcp"
+    agent = {"name": "openai_agent", "config": {"command": ["my-agent"]}, "mcp": [TIME]}
+    with pytest.raises(SpecError, match=r"stage 'rl', environment.mcp: 'openai_agent' drives its own episodes"):
+        parse(rl__environment=agent)
+
+
+def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
+    plugins = get_plugins()
+
+    def env_config(*servers):
+        spec = parse(rl__environment={"name": "math_tools", "mcp": list(servers)})
+        return stage_config("rl", spec.stages["rl"], plugins)["environment"]
+
+    config = env_config(TIME)
+    assert config["mcp"] == [{**TIME, "env": {}, "cwd": None, "url": None, "timeout_s": 30.0}]
+    others = [env_config({**TIME, "tools": None}), env_config({**TIME, "command": ["mcp-server-time"]}),
+              env_config({**TIME, "timeout_s": 5}), env_config(TIME, {"url": "http://127.0.0.1:8000/mcp"})]
+    assert all(other != config for other in others)
+    assert env_config({**TIME, "start_timeout_s": 5}) == config  # how long a start may take changes no result
+    without = parse()
+    assert "mcp" not in stage_config("rl", without.stages["rl"], plugins)["environment"]  # earlier digests stay
+
+
+def test_a_stage_s_episodes_carry_its_mcp_servers(tmp_path):
+    from alignflow.flows.stages.scoring import episodes_of
+    from helpers.stages import stage_context
+
+    spec = parse(rl__environment={"name": "math_tools", "mcp": [TIME]})
+    ctx = stage_context(tmp_path, spec, "rl", settings=spec.stages["rl"].validated_settings())
+    episodes = episodes_of(ctx)
+    assert [s.command for s in episodes.mcp] == [TIME["command"]] and episodes.mcp[0].tools == ["convert_time"]
+
+
 def test_a_task_librarys_version_enters_the_digest_of_a_stage_that_uses_it():
     spec = parse(rl__rewards=["reasoning_gym"])
     versions = plugin_versions(spec.stages["rl"], get_plugins())

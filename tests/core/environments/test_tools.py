@@ -1,6 +1,6 @@
 """Tools: schemas from signatures and docstrings, calls parsed in both formats, failures as observations."""
 
-from alignflow.core.environments import ToolCall, call_tools, tool_schema
+from alignflow.core.environments import ToolCall, ToolError, call_tools, tool_schema
 from alignflow.core.environments.tools import FORMATS, tool_format
 from alignflow.core.task.tokenizer import build_char_tokenizer
 from alignflow.plugins.math_tools import calculator
@@ -80,3 +80,25 @@ def test_calculator_refuses_what_is_not_integer_arithmetic():
                                                  ToolCall("calculator", {"expression": "9**9**9"}),
                                                  ToolCall("calculator", {"expression": "2.5*2"})])
     assert errors == 3 and all("raised ValueError" in m["content"] for m in messages)
+
+
+class Lookup:
+    """A tool object with a schema of its own (as an MCP server's tools are): shown as declared, called by keyword."""
+
+    __name__ = "lookup"
+    schema = {"type": "function", "function": {"name": "lookup", "description": "A word's length.", "parameters": {
+        "type": "object", "properties": {"word": {"type": "string", "minLength": 1}}, "required": ["word"]}}}
+
+    def __call__(self, **arguments):
+        if not arguments.get("word"):
+            raise ToolError("`word` must be a non-empty string")
+        return len(arguments["word"])
+
+
+def test_a_tool_object_keeps_its_own_schema_and_a_tool_error_reads_as_its_message():
+    assert tool_schema(Lookup()) is Lookup.schema
+    messages, errors = call_tools([Lookup(), calculator], [ToolCall("lookup", {"word": "tools"}),
+                                                           ToolCall("lookup", {"word": ""}),
+                                                           ToolCall("calculator", {"expression": "2*3"})])
+    assert [m["content"] for m in messages] == ["5", "error: lookup: `word` must be a non-empty string", "6"]
+    assert errors == 1
