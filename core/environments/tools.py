@@ -27,7 +27,9 @@ JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", l
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """The OpenAI/Hermes function schema of `fn`: its name, its docstring's first paragraph, one property per
     parameter (the JSON type of its annotation; its description from an `Args:` section), those without a
-    default required."""
+    default required. A tool that carries its own `schema` (one a server describes) is shown as it is."""
+    if isinstance(getattr(fn, "schema", None), dict):
+        return fn.schema
     doc = inspect.getdoc(fn) or ""
     summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
     described = _arg_docs(doc)
