@@ -17,8 +17,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
-from typing import Iterator
 
 from alignflow.core.errors import AlignflowError
 
@@ -38,30 +36,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def child_server(command: list[str], health: str, start_timeout_s: float, env: dict[str, str] | None = None,
-                 cwd: str | None = None, what: str = "server") -> Iterator[int]:
-    """Run `command` with `{port}` in its arguments (and `$PORT`) set to a free loopback port; yield the port
-    once `GET http://127.0.0.1:PORT{health}` answers 200, and stop the server when the block ends."""
-    port = free_port()
-    args = [a.replace("{port}", str(port)) for a in command]
-    output = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server never blocks on a full pipe
-    try:
-        proc = subprocess.Popen(args, env={**os.environ, **(env or {}), "PORT": str(port)}, cwd=cwd,
-                                stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    except OSError as exc:
-        output.close()
-        raise ServerError(f"{what}: cannot run {args!r} ({exc})") from exc
-    try:
+class ChildServer:
+    """`command` run as a server on a free loopback port (`{port}` in its arguments, and `$PORT`), ready once
+    `GET http://127.0.0.1:PORT{health}` answers 200; stopped when the `with` block ends, and restartable."""
+
+    def __init__(self, command: list[str], health: str, start_timeout_s: float, env: dict[str, str] | None = None,
+                 cwd: str | None = None, what: str = "server"):
+        self.command, self.health, self.start_timeout_s = command, health, start_timeout_s
+        self.env, self.cwd, self.what = env or {}, cwd, what
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        """Start the server (stopping what is left of an earlier one) and wait until it answers."""
+        self.stop()
+        self.port = free_port()
+        args = [a.replace("{port}", str(self.port)) for a in self.command]
+        self.output = tempfile.TemporaryFile()  # a file, not a pipe: a chatty server never blocks on a full pipe
+        try:
+            self.proc = subprocess.Popen(args, env={**os.environ, **self.env, "PORT": str(self.port)}, cwd=self.cwd,
+                                         stdin=subprocess.DEVNULL, stdout=self.output, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except OSError as exc:
+            self.output.close()
+            raise ServerError(f"{self.what}: cannot run {args!r} ({exc})") from exc
         started = time.monotonic()
-        wait_healthy(proc, f"http://127.0.0.1:{port}{health}", start_timeout_s, output, what)
-        log.info("%s: %s answers on port %d (pid %d) after %.1f s", what, args[0], port, proc.pid,
+        wait_healthy(self.proc, self.url + self.health, self.start_timeout_s, self.output, self.what)
+        log.info("%s: %s answers on port %d (pid %d) after %.1f s", self.what, args[0], self.port, self.proc.pid,
                  time.monotonic() - started)
-        yield port
-    finally:
-        stop(proc)
-        output.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            proc, self.proc = self.proc, None
+            stop(proc)
+            self.output.close()
+
+    def __enter__(self) -> "ChildServer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()  # one that started but never answered
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, output, what: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from pydantic import Field, model_validator
 from alignflow.core import AlignflowError, PluginConfig, hookimpl
 from alignflow.core.environments import Environment, Step, ToolCall, Turn
 
+log = logging.getLogger(__name__)
 MAX_MESSAGE = 100 << 20  # bytes in one answer: observations may carry screenshots (openenv's client allows this)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -91,16 +93,24 @@ class OpenEnv(Environment):
     @classmethod
     @contextmanager
     def batch(cls, config: PluginConfig) -> Iterator:
-        """The server every episode of the batch connects to: started (`command`) or checked (`url`)."""
+        """The server every episode connects to: checked (`url`), or started (`command`) and started again
+        for the next batch if it has died since (held for a stage, a crash costs only the episodes it hit)."""
         if config.command is None:
             check_health(config.url, config.timeout_s)
             yield lambda: cls(config)
             return
-        from alignflow.core.servers import child_server
+        from alignflow.core.servers import ChildServer
 
-        with child_server(config.command, "/health", config.start_timeout_s, config.env, config.cwd,
-                          "environment 'openenv'") as port:
-            yield lambda: cls(config, f"http://127.0.0.1:{port}")
+        with ChildServer(config.command, "/health", config.start_timeout_s, config.env, config.cwd,
+                         "environment 'openenv'") as server:
+            def make() -> OpenEnv:
+                if not server.alive():
+                    log.warning("environment 'openenv': the server (%s) has stopped; starting it again",
+                                " ".join(config.command))
+                    server.start()
+                return cls(config, server.url)
+
+            yield make
 
     def tools(self) -> list:
         return list(self.server_tools)

@@ -14,8 +14,9 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 from alignflow.core import seeds
 from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
@@ -48,6 +49,21 @@ class Episodes:
     max_tokens: int | None = None  # model and environment tokens after the prompt; None: max_turns x max_new_tokens
     tool_format: str = "auto"
     name: str = "environment"
+    _held: Any = field(default=None, init=False, repr=False, compare=False)  # `hold`'s instance maker
+
+    @contextmanager
+    def hold(self) -> Iterator["Episodes"]:
+        """Keep what the environment's batches share (its `batch`: a server) for every `generate` call until the
+        block ends, a stage's whole run rather than one round. A copy sent to another process holds its own."""
+        with self.environment.batch(self.config) as make:
+            self._held = make
+            try:
+                yield self
+            finally:
+                self._held = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_held": None}  # what is held lives in this process
 
     def budget(self, gen) -> int:
         """The most tokens an episode holds after its prompt."""
@@ -61,7 +77,8 @@ class Episodes:
         start = time.perf_counter()
         fmt = tool_format(self.tool_format, tokenizer)
         index = [i for i in range(len(rows)) for _ in range(n)]
-        with self.environment.batch(self.config) as make, EventLoop() as loop:
+        batch = nullcontext(self._held) if self._held is not None else self.environment.batch(self.config)
+        with batch as make, EventLoop() as loop:
             envs = [make() for _ in index]
             try:
                 firsts = loop.run([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])

@@ -61,10 +61,10 @@ def episodes(max_turns=6, max_tokens=None, **config) -> Episodes:
 def server_url():
     """The test server, started once for this module's url-mode tests."""
     pytest.importorskip("openenv")
-    from alignflow.core.servers import child_server
+    from alignflow.core.servers import ChildServer
 
-    with child_server(SERVER, "/health", 120.0, cwd=str(TESTS), what="test server") as port:
-        yield f"http://127.0.0.1:{port}"
+    with ChildServer(SERVER, "/health", 120.0, cwd=str(TESTS), what="test server") as server:
+        yield server.url
 
 
 @pytest.mark.system
@@ -129,7 +129,7 @@ def test_a_server_too_slow_for_timeout_s_ends_that_episode_as_an_error(server_ur
 
 
 @pytest.mark.system
-def test_command_mode_starts_the_server_stops_it_and_survives_its_death(tmp_path):
+def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none(tmp_path):
     pytest.importorskip("openenv")
     pidfile = tmp_path / "pid"
     config = dict(command=SERVER, cwd=str(TESTS), env={"OPENENV_TEST_PIDFILE": str(pidfile)}, **GAME)
@@ -144,13 +144,17 @@ def test_command_mode_starts_the_server_stops_it_and_survives_its_death(tmp_path
         said = re.search(r"say (\d+)", context)
         return said[1] if said else ("1" if secret(0, 1, 10) != 1 else "2")
 
-    g = episodes(**config).generate(Scripted(script), TOK, rows, 1, GEN, seed=0)
-    assert g.episodes["ended"] == ["done", "error"]  # the first had won at its first guess
-    assert g.episodes["reward"] == [1.0, pytest.approx(-0.1)] and g.episodes["turns"] == [1, 2]
-    assert set(descendants(os.getpid())) == before
-    # the stage goes on: the next batch starts a server of its own, and stops it
-    g = episodes(**config).generate(Scripted(bisect), TOK, rows[1:], 1, GEN, seed=0)
-    assert g.episodes["ended"] == ["done"] and int(pidfile.read_text()) != killed[0]
+    with episodes(**config).hold() as held:  # as a stage holds it: one server for every round
+        g = held.generate(Scripted(script), TOK, rows, 1, GEN, seed=0)
+        assert g.episodes["ended"] == ["done", "error"]  # the first had won at its first guess
+        assert g.episodes["reward"] == [1.0, pytest.approx(-0.1)] and g.episodes["turns"] == [1, 2]
+        # the stage goes on: the next round finds the server dead and starts another, which the rounds after share
+        for _ in range(2):
+            g = held.generate(Scripted(bisect), TOK, rows[1:], 1, GEN, seed=0)
+            assert g.episodes["ended"] == ["done"] and g.episodes["reward"][0] > 0.5
+            pids = set(descendants(os.getpid())) - before
+            assert int(pidfile.read_text()) in pids and killed[0] not in pids
+        assert len(pids) == 1  # one server, nothing it left
     assert set(descendants(os.getpid())) == before
 
 

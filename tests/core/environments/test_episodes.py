@@ -250,6 +250,19 @@ def test_a_batch_is_held_from_before_the_first_episode_to_after_the_last_close(r
     assert Shared.events == ["enter"] + ["make"] * n + ["close"] * n + ["exit"]  # also when a reset fails
 
 
+def test_hold_keeps_one_batch_for_every_generate_and_a_copy_for_another_process_holds_none():
+    import pickle
+
+    Shared.events.clear()
+    held = episodes(Shared)
+    with held.hold():
+        for _ in range(2):
+            held.generate(Scripted(solve), TOK, ROWS[:1], 2, GEN, seed=0)
+        copy = pickle.loads(pickle.dumps(held))  # as a rollout worker gets it
+        assert copy == held and copy._held is None and held._held is not None
+    assert Shared.events == ["enter"] + (["make"] * 2 + ["close"] * 2) * 2 + ["exit"] and held._held is None
+
+
 class Game(Environment):
     """Guess a number: each wrong guess gets a hint and -0.1; the right one ends it with 1."""
 
