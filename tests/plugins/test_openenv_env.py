@@ -4,7 +4,9 @@ openenv-core's own server classes) on 127.0.0.1: episodes through `Episodes.gene
 import os
 import random
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -129,7 +131,7 @@ def test_a_server_too_slow_for_timeout_s_ends_that_episode_as_an_error(server_ur
 
 
 @pytest.mark.system
-def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none(tmp_path):
+def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none_even_on_ctrl_c(tmp_path):
     pytest.importorskip("openenv")
     pidfile = tmp_path / "pid"
     config = dict(command=SERVER, cwd=str(TESTS), env={"OPENENV_TEST_PIDFILE": str(pidfile)}, **GAME)
@@ -144,18 +146,24 @@ def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leave
         said = re.search(r"say (\d+)", context)
         return said[1] if said else ("1" if secret(0, 1, 10) != 1 else "2")
 
-    with episodes(**config).hold() as held:  # as a stage holds it: one server for every round
-        g = held.generate(Scripted(script), TOK, rows, 1, GEN, seed=0)
-        assert g.episodes["ended"] == ["done", "error"]  # the first had won at its first guess
-        assert g.episodes["reward"] == [1.0, pytest.approx(-0.1)] and g.episodes["turns"] == [1, 2]
-        # the stage goes on: the next round finds the server dead and starts another, which the rounds after share
-        for _ in range(2):
-            g = held.generate(Scripted(bisect), TOK, rows[1:], 1, GEN, seed=0)
-            assert g.episodes["ended"] == ["done"] and g.episodes["reward"][0] > 0.5
-            pids = set(descendants(os.getpid())) - before
-            assert int(pidfile.read_text()) in pids and killed[0] not in pids
-        assert len(pids) == 1  # one server, nothing it left
-    assert set(descendants(os.getpid())) == before
+    def interrupted(context, call):  # Ctrl-C while the server works on the step
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        return "sleep 2"
+
+    with pytest.raises(KeyboardInterrupt):
+        with episodes(**config).hold() as held:  # as a stage holds it: one server for every round
+            g = held.generate(Scripted(script), TOK, rows, 1, GEN, seed=0)
+            assert g.episodes["ended"] == ["done", "error"]  # the first had won at its first guess
+            assert g.episodes["reward"] == [1.0, pytest.approx(-0.1)] and g.episodes["turns"] == [1, 2]
+            # the stage goes on: the next round finds the server dead and starts another, which later rounds share
+            for _ in range(2):
+                g = held.generate(Scripted(bisect), TOK, rows[1:], 1, GEN, seed=0)
+                assert g.episodes["ended"] == ["done"] and g.episodes["reward"][0] > 0.5
+                pids = set(descendants(os.getpid())) - before
+                assert int(pidfile.read_text()) in pids and killed[0] not in pids
+            assert len(pids) == 1  # one server, nothing it left
+            held.generate(Scripted(interrupted), TOK, rows[1:], 1, GEN, seed=0)
+    assert set(descendants(os.getpid())) == before  # stopped on the interrupt too
 
 
 @pytest.mark.system
