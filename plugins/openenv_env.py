@@ -123,7 +123,7 @@ class OpenEnv(Environment):
             self.ws = await connect(ws_url(self.url), open_timeout=self.config.timeout_s, max_size=MAX_MESSAGE,
                                     close_timeout=min(self.config.timeout_s, 5.0),
                                     **({"proxy": None} if host in LOOPBACK else {}))
-        except (OSError, asyncio.TimeoutError) as exc:
+        except Exception as exc:  # refused, timed out, or a handshake the server answered with an HTTP error
             raise AlignflowError(f"OpenEnv server {self.url}: cannot connect to {ws_url(self.url)} "
                                  f"({type(exc).__name__}: {exc})") from exc
         answer = await self._ask({"type": "reset", "data": data}, "reset")
