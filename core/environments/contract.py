@@ -3,7 +3,9 @@
 One instance per episode. `reset` starts it from a dataset row and a seed and returns the first messages;
 `step` takes each model turn (its text and parsed tool calls) and returns what the environment says back, a
 reward for the turn and whether the episode is over; `close` releases what it held. `reset`, `step` and
-`close` may be `async def`: the episodes of a batch run concurrently either way (sync ones in threads).
+`close` may be `async def`: the episodes of a batch run concurrently either way (sync ones in threads), on one
+event loop for the whole batch, so a connection an async `reset` opens serves its `step`s and `close`.
+What the episodes of a batch share (a server they all connect to) comes from the class's `batch`.
 
 The default `step` serves the common case, a task with tools: a turn with tool calls gets their results
 (an error observation for a malformed call, an unknown tool or one that raises, never an exception) and
@@ -13,8 +15,9 @@ those of the MCP servers the stage declares or `mcp_servers()` names, started on
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from alignflow.core.contracts import PluginConfig
 from alignflow.core.environments.tools import Message, ToolCall, call_tools
@@ -62,6 +65,14 @@ class Environment:
 
     def __init__(self, config: PluginConfig | None = None):
         self.config = config if config is not None else self.Config()
+
+    @classmethod
+    @contextmanager
+    def batch(cls, config: PluginConfig) -> Iterator[Callable[[], "Environment"]]:
+        """Held while one batch of episodes is played (entered before the first instance is made, left after
+        the last has closed, also on failure); yields what makes each episode's instance. Override it for what
+        the episodes share, such as a server they connect to."""
+        yield lambda: cls(config)
 
     def reset(self, row: dict, seed: int) -> str | list[Message]:
         """Start an episode on dataset row `row`: its first messages (a string is one user message)."""

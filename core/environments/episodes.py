@@ -14,8 +14,9 @@ import inspect
 import logging
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from alignflow.core import seeds
 from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
@@ -45,6 +46,21 @@ class Episodes:
     tool_format: str = "auto"
     name: str = "environment"
     mcp: list[McpServer] = field(default_factory=list)  # MCP servers whose tools every episode gets
+    _held: Any = field(default=None, init=False, repr=False, compare=False)  # `hold`'s instance maker
+
+    @contextmanager
+    def hold(self) -> Iterator["Episodes"]:
+        """Keep what the environment's batches share (its `batch`: a server) for every `generate` call until the
+        block ends, a stage's whole run rather than one round. A copy sent to another process holds its own."""
+        with self.environment.batch(self.config) as make:
+            self._held = make
+            try:
+                yield self
+            finally:
+                self._held = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_held": None}  # what is held lives in this process
 
     def budget(self, gen) -> int:
         """The most tokens an episode holds after its prompt."""
@@ -59,26 +75,28 @@ class Episodes:
             return DrivenEpisodes(self, tokenizer, rows, n, gen, seed, stops).run(sampler)
         start = time.perf_counter()
         fmt = tool_format(self.tool_format, tokenizer)
-        envs = [self.environment(self.config) for _ in rows for _ in range(n)]
         index = [i for i in range(len(rows)) for _ in range(n)]
-        servers = [*self.mcp, *envs[0].mcp_servers()] if envs else []
-        with mcp_tools(servers) as served:  # started for this batch, stopped however it ends
-            try:
-                for env in envs:
-                    env.mcp_tools = tuple(served)
-                firsts = concurrently([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
-                for i, first in zip(index, firsts):
-                    if isinstance(first, BaseException):
-                        raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
-                                           f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
-                tools = tool_schemas(envs[0], self.name) if envs else {}  # alike in every episode
-                runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
-                             as_messages(first)) for env, first in zip(envs, firsts)]
-                has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools)
-            finally:
-                for result in concurrently([(env.close,) for env in envs]):
-                    if isinstance(result, BaseException):
-                        log.warning("environment %r failed to close an episode: %s", self.name, result)
+        batch = nullcontext(self._held) if self._held is not None else self.environment.batch(self.config)
+        with batch as make, EventLoop() as loop:
+            envs = [make() for _ in index]
+            servers = [*self.mcp, *envs[0].mcp_servers()] if envs else []
+            with mcp_tools(servers) as served:  # started for this batch, stopped however it ends
+                try:
+                    for env in envs:
+                        env.mcp_tools = tuple(served)
+                    firsts = loop.run([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
+                    for i, first in zip(index, firsts):
+                        if isinstance(first, BaseException):
+                            raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
+                                               f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
+                    tools = tool_schemas(envs[0], self.name) if envs else {}  # alike in every episode
+                    runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
+                                 as_messages(first)) for env, first in zip(envs, firsts)]
+                    has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools, loop)
+                finally:
+                    for result in loop.run([(env.close,) for env in envs]):
+                        if isinstance(result, BaseException):
+                            log.warning("environment %r failed to close an episode: %s", self.name, result)
         completions = [r.transcript.ids for r in runs]
         return Generation(
             prompt_index=index, completion_ids=completions,
@@ -96,7 +114,7 @@ class Episodes:
         )
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
-               tools: dict) -> tuple[bool, float]:
+               tools: dict, loop: "EventLoop") -> tuple[bool, float]:
         """Every episode's turns; whether the sampler gave log-probs, and the seconds spent in the environments."""
         budget, has_logprobs, env_s = self.budget(gen), True, 0.0
         for turn in range(self.max_turns):
@@ -123,7 +141,7 @@ class Episodes:
                     continue
                 steps.append((r, Turn(text, fmt.parse(text, tools), turn)))
             started = time.perf_counter()
-            answers = concurrently([(r.env.step, t) for r, t in steps])
+            answers = loop.run([(r.env.step, t) for r, t in steps])
             env_s += time.perf_counter() - started
             for (r, _), answer in zip(steps, answers):
                 r.take(answer, fmt, budget, turn + 1 == self.max_turns, self.name)
@@ -177,29 +195,60 @@ class _Run:
         self.observation = said
 
 
-def concurrently(calls: list[tuple]) -> list[Any]:
-    """Run `(fn, *args)` calls at once, async ones on an event loop and sync ones in its threads; each result,
-    or the exception it raised."""
-    if not calls:
-        return []
+class EventLoop:
+    """An event loop in a thread of its own, held for a whole batch of episodes: what an async `reset` opens (a
+    connection) is bound to the loop it was opened on, so every `step` and `close` of the batch runs there too.
+    Its own thread, so a caller inside a running loop (a notebook) is served the same way."""
 
+    def __enter__(self) -> "EventLoop":
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="episodes-loop", daemon=True)
+        self.thread.start()
+        return self
+
+    def run(self, calls: list[tuple]) -> list[Any]:
+        """Run `(fn, *args)` calls at once, async ones on the loop and sync ones in its threads; each result,
+        or the exception it raised."""
+        if not calls:
+            return []
+        future = asyncio.run_coroutine_threadsafe(_gather(calls), self.loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted (Ctrl-C): the calls are cancelled before anything after them runs
+            raise
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+
+async def _gather(calls: list[tuple]) -> list[Any]:
     async def one(fn: Callable, *args):
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    async def gather():
-        return await asyncio.gather(*(one(*c) for c in calls), return_exceptions=True)
+    return await asyncio.gather(*(one(*c) for c in calls), return_exceptions=True)
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    out: list[Any] = []  # called from inside an event loop (a notebook): run ours in a thread of its own
-    worker = threading.Thread(target=lambda: out.extend(asyncio.run(gather())))
-    worker.start()
-    worker.join()
-    return out
+
+async def _shutdown() -> None:
+    """What `asyncio.run` does before it closes its loop: cancel what is left, then end generators and threads."""
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    left = [t for t in asyncio.all_tasks(loop) if t is not me]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
+
+
+def concurrently(calls: list[tuple]) -> list[Any]:
+    """`EventLoop.run` on a loop of its own, for calls that hold nothing between them."""
+    with EventLoop() as loop:
+        return loop.run(calls)
 
 
 def tool_schemas(env: Environment, name: str) -> dict[str, dict]:

@@ -31,10 +31,10 @@ JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", l
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
-    """The OpenAI/Hermes function schema of `fn`: a tool object's own `schema` (an MCP server's tool), else its
-    name, its docstring's first paragraph, one property per parameter (the JSON type of its annotation; its
-    description from an `Args:` section), those without a default required."""
-    if getattr(fn, "schema", None) is not None:
+    """The OpenAI/Hermes function schema of `fn`: a tool object's own `schema` (an MCP or OpenEnv server's tool),
+    else its name, its docstring's first paragraph, one property per parameter (the JSON type of its annotation;
+    its description from an `Args:` section), those without a default required."""
+    if isinstance(getattr(fn, "schema", None), dict):
         return fn.schema
     doc = inspect.getdoc(fn) or ""
     summary = doc.split("\n\n", 1)[0].replace("\n", " ").strip()

@@ -15,8 +15,8 @@ from alignflow.core.train.datasets import read_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, episodes_of, generate_and_score, loaded_sampler,
-                                           reward_set)
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, held_episodes,
+                                           loaded_sampler, reward_set)
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -81,9 +81,9 @@ def run_evaluate(ctx: StageContext) -> StageResult:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
     rows = read_rows(ctx.inputs["dataset"], "prompt_answer")[: s.limit]
-    with loaded_sampler(ctx) as (sampler, tokenizer):
+    with loaded_sampler(ctx) as (sampler, tokenizer), held_episodes(ctx) as episodes:
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True,
-                                    episodes=episodes_of(ctx))
+                                    episodes=episodes)
     metrics = accuracy_metrics(scored, s.k)
     if s.group_by and s.group_by in rows[0]:
         metrics.update(grouped_accuracy(scored, s.group_by))

@@ -25,8 +25,8 @@ from alignflow.core.train.datasets import read_rows
 from alignflow.core.train.dist import rank_and_world
 from alignflow.core.spec.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, episodes_of, generate_and_score, loaded_sampler,
-                                           reward_set)
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, held_episodes,
+                                           loaded_sampler, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 
@@ -94,9 +94,9 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
         raise SpecError(f"stage {ctx.name!r}, settings.output: {s.output!r} writes single-turn pairs; with an "
                         "environment only `sft` (each prompt's best episode as a conversation) is supported")
     rows = read_rows(ctx.inputs["dataset"], sampled_rows(s.output))
-    with loaded_sampler(ctx) as (sampler, tokenizer):
+    with loaded_sampler(ctx) as (sampler, tokenizer), held_episodes(ctx) as episodes:
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
-                                    shard=True, episodes=episodes_of(ctx))
+                                    shard=True, episodes=episodes)
 
     kept = select_rows(scored, s.output, s.pairs_per_prompt, s.list_size)
     out = ctx.work_dir / "data.jsonl"

@@ -7,8 +7,9 @@ all tests passed for `code_exec`): accuracy and pass@k count those.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -76,6 +77,14 @@ def episodes_of(ctx) -> Episodes | None:
     cls = ctx.plugins.environments.get(env.name)
     config = env.validated(ctx.plugins.environments, f"stage {ctx.name!r}, environment")
     return Episodes(cls, config, env.max_turns, env.max_tokens, env.tool_format, env.name, list(env.mcp))
+
+
+@contextmanager
+def held_episodes(ctx) -> Iterator[Episodes | None]:
+    """`episodes_of(ctx)`, with what its environment's batches share (a server) held for the whole block."""
+    episodes = episodes_of(ctx)
+    with episodes.hold() if episodes is not None else nullcontext():
+        yield episodes
 
 
 def _input_value(ctx, value):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -127,8 +128,9 @@ def check_ranks(ctx: StageContext) -> None:
 def run_rl(ctx: StageContext) -> StageResult:
     """Train the policy online on the dataset's prompts; report held-out accuracy; save the model."""
     p, total = build(ctx)
-    try:
-        return train_and_evaluate(ctx, p, total)
+    try:  # what the environment's episodes share (a server) is held for the whole stage
+        with p.episodes.hold() if p.episodes is not None else nullcontext():
+            return train_and_evaluate(ctx, p, total)
     finally:  # engines and rollout workers stop whether the stage ends or fails
         p.sampler.close()
 

@@ -1,6 +1,7 @@
 """Multi-turn episodes on a scripted sampler: turns, replies, masks, limits, failures, concurrency."""
 
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -191,6 +192,75 @@ def test_concurrently_works_inside_a_running_event_loop():
         return concurrently([(lambda x: x * 2, 3), (asyncio.sleep, 0, "done")])
 
     assert asyncio.run(main()) == [6, "done"]
+
+
+class Connected(MathTools):
+    """Holds what an async `reset` opens, as a connection does: a queue bound to the loop that made it."""
+
+    loops: list = []
+
+    async def reset(self, row, seed):
+        self.inbox = asyncio.Queue()
+        Connected.loops.append(asyncio.get_running_loop())
+        return super().reset(row, seed)
+
+    async def step(self, turn):
+        await self.inbox.put(turn.text)  # a queue used from another loop than its own fails
+        Connected.loops.append(asyncio.get_running_loop())
+        return super().step(turn)
+
+    async def close(self):
+        assert await self.inbox.get()
+        Connected.loops.append(asyncio.get_running_loop())
+
+
+def test_reset_step_and_close_of_a_batch_run_on_one_event_loop():
+    Connected.loops.clear()
+    g = episodes(Connected).generate(Scripted(solve), TOK, ROWS, 2, GEN, seed=0)
+    assert g.episodes["ended"] == ["done"] * 4 and g.episodes["reward"] == [1.0] * 4
+    assert len(Connected.loops) == 4 * 4 and len(set(map(id, Connected.loops))) == 1  # reset, 2 steps, close
+    again = episodes(Connected).generate(Scripted(solve), TOK, ROWS, 1, GEN, seed=0)  # a loop per batch
+    assert again.episodes["ended"] == ["done"] * 2 and Connected.loops[-1] is not Connected.loops[0]
+
+
+class Shared(Flaky):
+    """Counts what its batch holds: the instances made inside it, and whether it was left."""
+
+    events: list = []
+
+    @classmethod
+    @contextlib.contextmanager
+    def batch(cls, config):
+        Shared.events.append("enter")
+        try:
+            yield lambda: Shared.events.append("make") or cls(config)
+        finally:
+            Shared.events.append("exit")
+
+    def close(self):
+        Shared.events.append("close")
+
+
+@pytest.mark.parametrize("rows, ok", [(ROWS[:1], True), ([ROWS[0], {"prompt": "boom"}], False)])
+def test_a_batch_is_held_from_before_the_first_episode_to_after_the_last_close(rows, ok):
+    Shared.events.clear()
+    with contextlib.nullcontext() if ok else pytest.raises(EpisodeError):
+        episodes(Shared).generate(Scripted(solve), TOK, rows, 2, GEN, seed=0)
+    n = 2 * len(rows)
+    assert Shared.events == ["enter"] + ["make"] * n + ["close"] * n + ["exit"]  # also when a reset fails
+
+
+def test_hold_keeps_one_batch_for_every_generate_and_a_copy_for_another_process_holds_none():
+    import pickle
+
+    Shared.events.clear()
+    held = episodes(Shared)
+    with held.hold():
+        for _ in range(2):
+            held.generate(Scripted(solve), TOK, ROWS[:1], 2, GEN, seed=0)
+        copy = pickle.loads(pickle.dumps(held))  # as a rollout worker gets it
+        assert copy == held and copy._held is None and held._held is not None
+    assert Shared.events == ["enter"] + (["make"] * 2 + ["close"] * 2) * 2 + ["exit"] and held._held is None
 
 
 class Game(Environment):
