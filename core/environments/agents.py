@@ -102,6 +102,7 @@ class DrivenEpisodes:
         self.calls: queue.Queue[_Call] = queue.Queue()
         self.live = len(self.index)  # episodes whose rollout has not returned
         self.done = threading.Event()
+        self.stopping = False  # set when the calling thread fails: the episodes are cancelled
         self.wait = getattr(spec.config, "batch_wait_s", BATCH_WAIT_S)
 
     def run(self, sampler) -> Generation:
@@ -109,6 +110,12 @@ class DrivenEpisodes:
         thread, out = in_thread(self._episodes)
         try:
             env_s = self._serve(sampler)
+        except BaseException:  # the sampler failed or the stage is interrupted: the episodes stop with it
+            self.stopping = True
+            task = getattr(self, "task", None)
+            if task is not None:
+                self.loop.call_soon_threadsafe(task.cancel)
+            raise
         finally:
             self.done.set()
             thread.join(CLOSE_WAIT_S)
@@ -156,10 +163,12 @@ class DrivenEpisodes:
 
     # --- the endpoint's thread: requests and episodes ---
     async def _episodes(self) -> list[tuple[float, str, dict]]:
-        self.loop = asyncio.get_running_loop()
+        self.loop, self.task = asyncio.get_running_loop(), asyncio.current_task()
         server = Server(app(self._chat, self._complete))
         await server.start()
         try:
+            if self.stopping:
+                raise asyncio.CancelledError
             return await asyncio.gather(*(self._episode(i, server.url) for i in range(len(self.index))))
         finally:
             self.done.set()
@@ -183,13 +192,13 @@ class DrivenEpisodes:
             ended = self.logs[i].limit or "error"
             log.warning("environment %r failed on an episode; it ends: %s: %s", self.spec.name,
                         type(exc).__name__, exc)
-        finally:
+        finally:  # also when the episodes are cancelled: an agent program is killed in its rollout
             self.live -= 1
             self.logs[i].closed = True  # later calls of this episode are refused
-        try:
-            await asyncio.wait_for(_call(env.close), timeout)
-        except Exception as exc:
-            log.warning("environment %r failed to close an episode: %s", self.spec.name, exc)
+            try:
+                await asyncio.wait_for(_call(env.close), timeout)
+            except Exception as exc:
+                log.warning("environment %r failed to close an episode: %s", self.spec.name, exc)
         return reward, ended, info
 
     def _episode_log(self, episode: str) -> EpisodeLog:

@@ -109,3 +109,40 @@ def test_config_names_one_program_and_hashes_its_source(tmp_path):
     script.write_text("def agent(client, row, seed):\n    return 2.0\n")
     after = OpenAIAgent.Config(function=f"{script}:agent").model_dump()["sources"]
     assert list(before) == [str(script)] and before != after  # an edit to the agent reruns its stages
+
+
+class Failing(HFSampler):
+    """The hf sampler, failing at its second call."""
+
+    def generate(self, prompt_ids, n, gen, seed):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            raise RuntimeError("the sampler broke")
+        return super().generate(prompt_ids, n, gen, seed)
+
+
+def test_a_failing_sampler_fails_the_batch_and_stops_every_agent_program(tmp_path):
+    model, tok = policy()
+    sampler = Failing(HFSampler.Config())
+    sampler.load(model, tok)
+    pids = tmp_path / "pids"
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, time
+        from openai import OpenAI
+        open({str(pids)!r}, "a").write(f"{{os.getpid()}}\\n")
+        row = json.loads(os.environ["ALIGNFLOW_ROW"])
+        with OpenAI(max_retries=0) as client:
+            if row["prompt"] == "slow":
+                time.sleep(2)  # its call comes after the first batch: the one that fails
+            client.chat.completions.create(model="m", messages=[{{"role": "user", "content": "1"}}])
+            time.sleep(300)  # a program that would outlive the stage unless it is stopped
+    """))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="the sampler broke"):
+        run(tok, sampler, [{"prompt": "fast"}, {"prompt": "slow"}], command=[sys.executable, str(script)],
+            batch_wait_s=0.0)
+    assert time.perf_counter() - start < 60
+    for pid in map(int, pids.read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
