@@ -29,7 +29,7 @@ from pydantic import Field, computed_field, model_validator
 from alignflow.core import AlignflowError, hookimpl
 from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy
 
-KEY_VAR = "VF_ALIGNFLOW_POLICY_KEY"  # verifiers reads the model's API key from a variable; unset, it sends "EMPTY"
+KEY_VAR = "VERIFIERS_POLICY_KEY"  # verifiers reads the model's API key from a variable; unset, it sends "EMPTY"
 _LOADED: dict[str, Any] = {}  # the loaded environments of this process, by `Config.key`
 _LOADING = threading.Lock()
 _SERVED: dict[tuple[str, int], "_Served"] = {}  # (config key, event loop): what serves that loop's episodes
@@ -52,9 +52,15 @@ class VerifiersEnv(AgentEnvironment):
     class Config(AgentConfig):
         id: str | None = None  # an installed verifiers environment: its taskset id, as `vf-eval ID` takes it
         loader: str | None = None  # `package.module:function` returning a `verifiers.v1.Env`, called with `args`
-        args: dict[str, Any] = Field(default_factory=dict)  # with `id`: verifiers' env config (`taskset`, `agent`, `id`...) over {taskset: {id}}; with `loader`: its keyword arguments
-        columns: dict[str, str] = Field(default_factory=dict)  # task data field -> the row's column, over the defaults: each field from the column of its name (`prompt` from `question` when no `prompt`)
-        sampling: dict[str, Any] = Field(default_factory=dict)  # verifiers' sampling settings for each model call; the endpoint honours `max_tokens` (below the stage's `max_new_tokens`) and samples as the stage's `generation` says
+        # with `id`: verifiers' env config (`taskset`, `agent`, env `id`, ...), over {taskset: {id}}; with `loader`:
+        # the function's keyword arguments
+        args: dict[str, Any] = Field(default_factory=dict)
+        # task data field -> the row's column, over the defaults: each field from the column of its name (`prompt`
+        # from `question` when the row has no `prompt`)
+        columns: dict[str, str] = Field(default_factory=dict)
+        # verifiers' sampling settings for each model call; the endpoint samples as the stage's `generation` says
+        # and honours only `max_tokens` (below the stage's `max_new_tokens`)
+        sampling: dict[str, Any] = Field(default_factory=dict)
 
         @model_validator(mode="after")
         def _one_source(self):
@@ -91,7 +97,7 @@ class VerifiersEnv(AgentEnvironment):
 
     async def rollout(self, row: dict, seed: int, policy: Policy):
         vf = _verifiers()
-        env = environment(self.config)
+        env = await asyncio.to_thread(environment, self.config)  # the first load takes seconds: not on the loop
         task = task_of(env, row, self.config.columns)
         ctx = vf.ModelContext(model=policy.model,
                               client=vf.EvalClientConfig(base_url=policy.base_url, api_key_var=KEY_VAR),

@@ -92,17 +92,15 @@ class Replies(vf.Env[vf.SingleAgentEnvConfig]):
                 await chat.turn(REPLY.format(t))
 
 
-def config(**agent):
-    agent = {"harness": {"id": ID}, "runtime": {"type": "subprocess"}, **agent}
-    return vf.SingleAgentEnvConfig(taskset={"id": ID}, agent=agent)
+AGENT = {"harness": {"id": ID}, "runtime": {"type": "subprocess"}}  # verifiers' default runtime is a Prime sandbox
 
 
 def single_turn():
-    return vf.SingleAgentEnv(config())
+    return vf.SingleAgentEnv(vf.SingleAgentEnvConfig(taskset={"id": ID}, agent=AGENT))
 
 
 def multi_turn():
-    return Replies(config())
+    return Replies(vf.SingleAgentEnvConfig(taskset={"id": ID}, agent=AGENT))
 
 
 class Recording(VerifiersEnv):
@@ -146,8 +144,8 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(runtimes, "CACHE_DIR", tmp_path)
 
 
-def episodes(loader, env=VerifiersEnv, **kw):
-    return Episodes(env, env.Config(loader=f"{ID}:{loader}", **kw), max_turns=3, max_tokens=400)
+def episodes(env=VerifiersEnv, **config):
+    return Episodes(env, env.Config(**config), max_turns=3, max_tokens=400)
 
 
 def trainer_logprobs(model, tok, g):
@@ -163,8 +161,9 @@ def trainer_logprobs(model, tok, g):
 def test_the_rubric_scores_the_reply_the_endpoint_sampled(tiny):
     model, tok, sampler = tiny
     Recording.results = {}
-    g = episodes("single_turn", Recording).generate(sampler, tok, ROWS, 2, GenerationSettings(max_new_tokens=16),
-                                                    seed=4)
+    # loaded by id, as an installed environment is: verifiers' loader finds this module's taskset and harness
+    g = episodes(Recording, id=ID, args={"agent": AGENT}).generate(sampler, tok, ROWS, 2,
+                                                                   GenerationSettings(max_new_tokens=16), seed=4)
     assert len(g) == 4 and g.prompt_index == [0, 0, 1, 1] and g.episodes["ended"] == ["done"] * 4
     assert g.episodes["turns"] == [1] * 4 and all(m == [1] * len(m) for m in g.loss_mask)
     for k, text in enumerate(g.texts):  # what the endpoint returned, as verifiers' trace strips it
@@ -180,7 +179,8 @@ def test_the_rubric_scores_the_reply_the_endpoint_sampled(tiny):
 
 def test_a_multi_turn_episode_is_one_sample_that_trains_on_the_drawn_ids(tiny):
     model, tok, sampler = tiny
-    g = episodes("multi_turn").generate(sampler, tok, ROWS, 2, GenerationSettings(max_new_tokens=16), seed=5)
+    gen = GenerationSettings(max_new_tokens=16)
+    g = episodes(loader=f"{ID}:multi_turn").generate(sampler, tok, ROWS, 2, gen, seed=5)
     assert len(g) == 4 and g.episodes["final"] == [True] * 4 and g.episodes["sample"] == [0] * 4
     assert g.episodes["turns"] == [3] * 4 and episode_metrics(g.episodes)["episode/splits"] == 0.0
     # the env's two user turns are context (mask 0), rendered as the template renders a user message
@@ -197,7 +197,8 @@ def test_a_multi_turn_episode_is_one_sample_that_trains_on_the_drawn_ids(tiny):
 def test_an_episode_whose_rubric_raises_ends_as_an_error_and_the_others_finish(tiny, caplog):
     model, tok, sampler = tiny
     rows = [ROWS[0], {"question": "7-2=", "answer": "raise"}]
-    g = episodes("single_turn").generate(sampler, tok, rows, 1, GenerationSettings(max_new_tokens=16), seed=0)
+    gen = GenerationSettings(max_new_tokens=16)
+    g = episodes(loader=f"{ID}:single_turn").generate(sampler, tok, rows, 1, gen, seed=0)
     assert g.episodes["ended"] == ["done", "error"]
     assert g.episodes["reward"][1] == 0.0 and g.episodes["reward"][0] > 0.0
     assert "the episode failed" in caplog.text and "this task's rubric fails" in caplog.text  # verifiers' error
@@ -209,6 +210,9 @@ def test_the_environment_loads_once_per_process_and_a_row_must_fit_its_task_data
     env = verifiers_env.environment(a)
     assert verifiers_env.environment(VerifiersEnv.Config(loader=f"{ID}:single_turn", columns={"prompt": "q"})) is env
     assert verifiers_env.environment(VerifiersEnv.Config(loader=f"{ID}:multi_turn")) is not env
+    by_id = verifiers_env.environment(VerifiersEnv.Config(id=ID, args={"agent": AGENT, "timeout": {"episode": 60}}))
+    assert type(by_id) is vf.SingleAgentEnv and type(by_id.taskset) is SumsTaskset
+    assert by_id.config.agent.harness.id == ID and by_id.config.timeout.episode == 60  # `args` reach verifiers
     task = verifiers_env.task_of(env, {"q": "1+1=", "info": {"answer": "2", "other": 0}}, {"prompt": "q"})
     assert type(task) is SumsTask and task.data.prompt == "1+1=" and task.data.answer == "2"
     with pytest.raises(AlignflowError, match="does not have"):
