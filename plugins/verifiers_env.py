@@ -69,6 +69,11 @@ class VerifiersEnv(AgentEnvironment):
                                  "(module:function returning one)")
             if self.loader is not None and ":" not in self.loader:
                 raise ValueError(f"`loader` must read `module:function`, got {self.loader!r}")
+            refused = [k for k in ("stop", "top_logprobs") if self.sampling.get(k)]
+            refused += ["n"] if self.sampling.get("n", 1) != 1 else []
+            if refused:
+                raise ValueError(f"`sampling` sets {refused}, which the policy endpoint refuses (it samples one "
+                                 "completion, ending at the policy's end-of-turn token)")
             return self
 
         @computed_field
@@ -145,6 +150,10 @@ def task_of(env, row: dict, columns: dict[str, str]):
     if "prompt" not in row and "question" in row:
         mapping["prompt"] = "question"
     mapping.update(columns)
+    missing = sorted(column for column in columns.values() if column not in row)
+    if missing:
+        raise AlignflowError(f"environment 'verifiers': row {_row_text(row)} has no column {missing} (`columns` "
+                             f"reads it); its columns: {sorted(row)}")
     values = {name: row[column] for name, column in mapping.items() if column in row}
     info = row.get("info")
     if isinstance(info, dict) and "info" not in data_cls.model_fields:
@@ -170,7 +179,7 @@ def outcome(episode, name: str) -> dict:
     traces = [t for t in episode.traces if t.agent is None or t.agent.trainable] or episode.traces
     info: dict[str, list[float]] = {}
     for trace in traces:
-        for key, value in [*((f"reward/{k}", r and r.score) for k, r in trace.rewards.items()),
+        for key, value in [*((f"reward/{k}", None if r is None else r.score) for k, r in trace.rewards.items()),
                            *trace.metrics.items(), ("turns", trace.num_turns)]:
             if value is not None:
                 info.setdefault(key, []).append(float(value))

@@ -110,7 +110,7 @@ class Recording(VerifiersEnv):
 
     async def rollout(self, row, seed, policy):
         out = await super().rollout(row, seed, policy)
-        type(self).results[row["question"]] = out
+        type(self).results.setdefault(row["question"], []).append(out)
         return out
 
 
@@ -171,10 +171,12 @@ def test_the_rubric_scores_the_reply_the_endpoint_sampled(tiny):
         assert g.episodes["reward"][k] == pytest.approx(0.1 * len(reply) + sum(c.isdigit() for c in reply))
     # the task's prompt is the row's `question` (it has no `prompt` column), the one message of the context
     assert g.prompt_ids[0] == tok("12+34=", add_special_tokens=False).input_ids
-    last = Recording.results["5*6="]
-    reply = g.texts[3].strip()
-    assert last["reward/length"] == len(reply) and last["reward/digits"] == sum(c.isdigit() for c in reply)
-    assert last["answered"] == float("30" in reply) and last["turns"] == 1.0
+    # each reward and the metric, in the rollout's info (the two episodes of a row finish in either order)
+    for k, row in enumerate(ROWS):
+        replies = [t.strip() for t in g.texts[2 * k: 2 * k + 2]]
+        assert sorted((o["reward/length"], o["reward/digits"], o["answered"], o["turns"])
+                      for o in Recording.results[row["question"]]) == \
+            sorted((len(r), sum(c.isdigit() for c in r), float(row["answer"] in r), 1.0) for r in replies)
 
 
 def test_a_multi_turn_episode_is_one_sample_that_trains_on_the_drawn_ids(tiny):
@@ -219,8 +221,12 @@ def test_the_environment_loads_once_per_process_and_a_row_must_fit_its_task_data
         verifiers_env.task_of(env, ROWS[0], {"reference": "answer"})
     with pytest.raises(AlignflowError, match="row '7' does not make a SumsData"):
         verifiers_env.task_of(env, {"question": "7", "answer": 7}, {})
+    with pytest.raises(AlignflowError, match=r"row '1\+1=' has no column \['problem'\]"):
+        verifiers_env.task_of(env, {"prompt": "1+1="}, {"prompt": "problem"})
     with pytest.raises(ValueError, match="exactly one of"):
         VerifiersEnv.Config(id="gsm8k", loader=f"{ID}:single_turn")
+    with pytest.raises(ValueError, match=r"sets \['stop', 'n'\], which the policy endpoint refuses"):
+        VerifiersEnv.Config(id="gsm8k", sampling={"stop": ["\n"], "n": 4, "max_tokens": 64})
 
 
 def test_its_config_the_loader_s_source_and_the_packages_it_names_enter_the_digest():
