@@ -239,8 +239,8 @@ def test_its_config_the_loader_s_source_and_the_packages_it_names_enter_the_dige
     assert config["sources"] == {__file__: hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
     versions = plugin_versions(spec.stages["rl"], plugins)["environment/verifiers"]
     assert versions["libraries"] == {"verifiers": version("verifiers")}
-    # an installed environment's package by its id (hub ids `owner/name@version` install as `name`); verifiers'
-    # own tasksets and harnesses go with its version
-    named = VerifiersEnv.Config(id="someone/reasoning-gym@0.1", args={"agent": {"harness": {"id": "null"}}})
-    assert named.packages == {"reasoning-gym": version("reasoning-gym")}
+    # an installed environment's package by its id (hub ids `owner/name@version` install as `name`; loguru, which
+    # verifiers needs, stands in for one); verifiers' own tasksets and harnesses go with its version
+    named = VerifiersEnv.Config(id="someone/loguru@0.7", args={"agent": {"harness": {"id": "null"}}})
+    assert named.packages == {"loguru": version("loguru")}
     assert VerifiersEnv.Config(id="textarena").packages == {}
