@@ -3,7 +3,6 @@ rewards and a metric, a harness whose chat loop runs in-process, as its contract
 endpoint. The rubric's reward is the episode's reward, a multi-turn episode is one sample with verifiers' user
 turns masked, the trainer scores the ids the endpoint drew, and a failing episode ends alone as an error."""
 
-
 import hashlib
 from importlib.metadata import version
 from pathlib import Path
