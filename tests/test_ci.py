@@ -1,5 +1,6 @@
 """CI runs exactly the test command the README gives."""
 
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,3 +30,14 @@ def test_test_modules_have_unique_basenames():
     """pytest's default import mode cannot collect two test modules of the same basename."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
     assert sorted(names) == sorted(set(names)), sorted({n for n in names if names.count(n) > 1})
+
+
+def test_ci_runs_the_verifiers_tests_in_an_environment_without_dev():
+    """verifiers pins mcp==2.0.0 and dev's mcp extra needs mcp>=2.3: one environment cannot hold both."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'bash .ci/verifiers-env "$tmp/verifiers"' in ci
+    assert '"$tmp/verifiers/bin/python" -m pytest -q tests/plugins/test_verifiers_env.py' in ci
+    assert '-e ".[verifiers]"' in (ROOT / ".ci" / "verifiers-env").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("verifiers") for d in extras["verifiers"])
+    assert not any(d.startswith("verifiers") for d in extras["dev"])
