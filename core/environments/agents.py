@@ -263,9 +263,9 @@ class DrivenEpisodes:
         rows: dict[str, list] = {k: [] for k in ("prompt_index", "prompt_ids", "ids", "mask", "lps", "truncated")}
         episodes: dict[str, list] = {k: [] for k in (
             "reward", "turns", "tool_calls", "tool_errors", "ended", "messages", "turn_starts", "turn_history",
-            "turn_observation", "sample", "final")}
+            "turn_observation", "sample", "final", "info")}
         has_lps = True
-        for i, (record, (reward, ended, _)) in enumerate(zip(self.logs, outcomes)):
+        for i, (record, (reward, ended, info)) in enumerate(zip(self.logs, outcomes)):
             samples = record.samples or [None]
             for k, s in enumerate(samples):
                 t = s.transcript if s is not None else None
@@ -279,7 +279,8 @@ class DrivenEpisodes:
                 rows["truncated"].append(ended in ("max_turns", "max_tokens", "timeout"))
                 for key, value in (("reward", reward), ("turns", s.turns if s else 0),
                                    ("tool_calls", s.tool_calls if s else 0), ("tool_errors", 0), ("ended", ended),
-                                   ("messages", record.messages), ("sample", k), ("final", k == len(samples) - 1)):
+                                   ("messages", record.messages), ("sample", k), ("final", k == len(samples) - 1),
+                                   ("info", info)):
                     episodes[key].append(value)
                 for key in ("turn_starts", "turn_history", "turn_observation"):
                     episodes[key].append(getattr(s, key) if s else [])

@@ -280,4 +280,13 @@ def episode_metrics(episodes: dict[str, list]) -> dict[str, float]:
                     for e in ENDINGS})
     if "final" in episodes:
         metrics["episode/splits"] = float(len(final) - sum(final)) / n
+    # what a driven episode's harness reported beside its reward (a verifiers rubric's parts, say): numeric means
+    infos = [i for i, f in zip(episodes.get("info") or [], final) if f]
+    for key in sorted({k for i in infos for k, v in i.items() if _number(v)}):
+        values = [i[key] for i in infos if _number(i.get(key))]
+        metrics[f"episode/info/{key}"] = sum(values) / len(values)
     return metrics
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from alignflow.core.environments.episodes import Episodes
+from alignflow.core.environments.episodes import Episodes, episode_metrics
 from alignflow.core.spec.settings import GenerationSettings
 from alignflow.plugins.hf import HFSampler
 from alignflow.plugins.openai_agent import OpenAIAgent
@@ -57,6 +57,7 @@ def test_a_command_per_episode_reports_the_reward_of_what_it_was_answered(tiny, 
     assert g.episodes["ended"] == ["done", "done"]
     for i in range(2):
         assert g.episodes["reward"][i] == len(g.texts[i])
+        assert g.episodes["info"][i] == {"seed": g.episodes["info"][i]["seed"]}  # the result's other keys
         assert g.prompt_ids[i] == tok(["1+1=", "2+2="][i], add_special_tokens=False).input_ids
 
 
@@ -67,6 +68,7 @@ def test_the_example_agent_runs_two_turns_as_a_command_and_as_a_function(tiny):
         g = run(tok, sampler, rows, **config)
         assert g.episodes["ended"] == ["done"] and g.episodes["turns"] == [2], config  # a random policy is wrong
         assert g.episodes["reward"] == [0.0]
+        assert episode_metrics(g.episodes)["episode/info/turns"] == 2.0  # the agent's own count, logged
         hint = [t for t, m in zip(g.completion_ids[0], g.loss_mask[0]) if not m]
         assert tok.decode(hint) == "\nno. again:\n"  # the agent's second message, merged into one sample
 
