@@ -11,7 +11,7 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.rl.algorithm import (PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast,
-                                         with_kl_loss)
+                                         policy_weighted, with_kl_loss)
 from alignflow.core.rl.capabilities import TeacherDistributions
 from alignflow.core.rl.divergence import Divergence, TopKTail, logit_divergence
 from alignflow.core.rl.parts import discounted_returns, group_normalize, kl_estimate, masked_mean
@@ -119,16 +119,15 @@ class Distill(TeacherDistributions, PolicyGradient):
                                c.chunk_positions) * mask
         # named by form and divergence (`distill/full_reverse_kl`): `distill/reverse_kl` is the sampled estimate
         metrics = {f"distill/{c.form}_{c.divergence}": masked_mean(div.detach(), mask)}
-        if c.reward_weight > 0:
-            surrogate, more = super().loss(batch)
-            div = div + surrogate
-            metrics.update(more)
-        elif c.kl_loss_coef > 0:
-            div, more = with_kl_loss(div, batch, c, {})
-            metrics.update(more)
+        if c.reward_weight > 0:  # the surrogate (sampler-weighted) and any KL term, then the weighted divergence
+            loss, more = super().loss(batch)
+            loss = loss + policy_weighted(div, batch)
+        else:  # the sampler weights on the divergence, and the KL term, if any, unweighted
+            loss, more = with_kl_loss(div, batch, c, {})
+        metrics.update(more)
         if batch.teacher_logprobs is not None:
             metrics["distill/reverse_kl"] = masked_mean(batch.old_logprobs - batch.teacher_logprobs, mask)
-        return div, {k: v.detach() for k, v in metrics.items()}
+        return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 @hookimpl
