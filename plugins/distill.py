@@ -33,8 +33,9 @@ class DistillConfig(PolicyGradientConfig):
     divergence: Divergence = "jsd"  # of `top_k` / `full`: forward_kl, reverse_kl or GKD's jsd (TRL's default)
     beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD's weight of the teacher in M (GKD's and TRL's default 0.5)
     top_k: int = Field(64, ge=1)  # k of `top_k`: the teacher's k likeliest tokens at each position
-    # what top_k does with the other tokens' mass: renormalize both over the k tokens, drop it (verl's forward KL),
-    # or bucket it as a (k+1)-th outcome; see alignflow.core.rl.divergence.top_k_log_probs
+    # what top_k does with the other tokens' mass: renormalize both over the k tokens, drop it (verl's forward KL
+    # with its floors: log-probs at -10, each position's sum in [0, 10]), or bucket it as a (k+1)-th outcome; see
+    # alignflow.core.rl.divergence.top_k_log_probs
     top_k_tail: TopKTail = "renormalize"
     chunk_positions: int = Field(256, ge=1)  # positions per softmax chunk of the top_k / full divergence
 
@@ -66,7 +67,8 @@ class Distill(TeacherDistributions, PolicyGradient):
     computed per micro-batch under no_grad inside the micro-step, never for the whole rollout. `form: top_k`
     restricts both to the teacher's top_k tokens at each position, renormalised over them by default
     (`top_k_tail`: the student's mass outside them then gets no gradient; `drop` is verl's unrenormalised top-k
-    forward KL, `bucket` keeps the rest as one more outcome). The paper averages over each sequence's tokens, then over
+    forward KL with verl's floors, log-probs at -10 and each position's sum in [0, 10]; `bucket` keeps the rest as
+    one more outcome). The paper averages over each sequence's tokens, then over
     sequences (loss_agg_mode seq-mean-token-mean, the default here); TRL's token-mean is a setting. The logits
     are divided by the stage's sampling temperature as every log-prob of the stage; TRL's loss uses 1 (sample at
     temperature 1 for its form). TRL's beta = 0 / beta = 1 (un-scaled KLs) are forward_kl / reverse_kl here.
