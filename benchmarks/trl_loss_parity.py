@@ -47,7 +47,8 @@ Settings matched (TRL -> ours):
 Not covered: the advantages (TRL computes them inside generation; both use the group mean and std).
 
 Result (TRL 1.16.0, torch 2.13.0+cpu, 5 seeds, B = 8, T = 16, 5 s on a 2-core AMD EPYC with AVX-512 for all
-eleven cases; benchmarks/README.md has all): with matched settings every case agrees.
+eleven cases; grpo_kl_icepop and grpo_kl_tis on one with AVX2, 14 s for all thirteen; benchmarks/README.md has
+all): with matched settings every case agrees.
 Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.7-1.9, gradients up to 0.3):
 
     case      float32            float64              control (one setting changed), float64: loss / grad
@@ -64,8 +65,9 @@ Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.
     gmpo_extreme       3.0e-08 / 1.9e-09  4.4e-16 / 2.2e-16  log-ratio clamp 20:   3.0e+01 / 1.0e+01
 
 The draws did reach the clips: GSPO clipped 17% of tokens low and 6% high (whole responses), CISPO capped 5%
-of the weights, GMPO clipped 7% low and 8% high; IcePop dropped 22% of the tokens and TIS capped 24%. What differs is rounding: our GSPO computes the same value
-in its stop-gradient (GSPO-token) form, which gives the sequence ratio's gradient.
+of the weights, GMPO clipped 7% low and 8% high; IcePop dropped 22% of the tokens and TIS capped 24%. What
+differs is rounding: our GSPO computes the same value in its stop-gradient (GSPO-token) form, which gives the
+sequence ratio's gradient.
 """
 
 from __future__ import annotations
