@@ -1,4 +1,5 @@
-"""TRL 1.16's own loss code against ours on the same tensors: GRPO with a KL term, GSPO, CISPO, SAPO, GMPO.
+"""TRL 1.16's own loss code against ours on the same tensors: GRPO with a KL term (and with IcePop or TIS),
+GSPO, CISPO, SAPO, GMPO.
 
     ../venv-trl/bin/python benchmarks/trl_loss_parity.py [--seeds 5] [--batch 8] [--width 16] [--out F.json]
 
@@ -28,6 +29,12 @@ Settings matched (TRL -> ours):
   differentiable) -> `gspo` with kl_loss_coef=0.04, kl_loss_bias_correction=True.
 - grpo_kl / grpo_kl_unweighted: importance_sampling_level="token", loss_type="grpo", epsilon=0.2, beta=0.04,
   use_bias_correction_kl True (TRL's default) / False -> `grpo` with kl_loss_bias_correction true / false.
+- grpo_kl_icepop / grpo_kl_tis: the same with use_bias_correction_kl=False and TRL's vLLM importance-sampling
+  correction, vllm_importance_sampling_mode="token_mask" with clip_min 0.5, clip_max 5 / "token_truncate" with
+  clip_max 2 (the ratio pi_old / mu computed as TRL's `_generate_and_score_completions` does, from shared sampler
+  log-probs; `_compute_loss` applies it) -> `grpo` with the stage's `icepop: [0.5, 5]` / `tis_cap: 2`
+  (`mismatch_weights`, `sampler_corrected`). Both weight the clipped surrogate and add beta k3 unweighted; the
+  control weights the KL term too (as the stage did before).
 - *_extreme: the draws get tokens past our clamps (log-ratios +-25, log pi_ref/pi_theta = 3, 2.8, -12: k3 over
   10), and our side sets log_ratio_clamp=None (and kl_clamp=None for grpo), as TRL clamps neither; the control
   is our default clamps.
@@ -40,7 +47,8 @@ Settings matched (TRL -> ours):
 Not covered: the advantages (TRL computes them inside generation; both use the group mean and std).
 
 Result (TRL 1.16.0, torch 2.13.0+cpu, 5 seeds, B = 8, T = 16, 5 s on a 2-core AMD EPYC with AVX-512 for all
-eleven cases; benchmarks/README.md has all): with matched settings every case agrees.
+eleven cases; grpo_kl_icepop and grpo_kl_tis on one with AVX2, 14 s for all thirteen; benchmarks/README.md has
+all): with matched settings every case agrees.
 Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.7-1.9, gradients up to 0.3):
 
     case      float32            float64              control (one setting changed), float64: loss / grad
@@ -51,12 +59,15 @@ Max |loss difference| / max |gradient difference|, float32 and float64 (loss ~0.
     gmpo      7.5e-08 / 3.7e-09  1.1e-16 / 3.5e-18    log clip 0.3:           4.1e-02 / 5.1e-02
 
     grpo_kl            0 / 3.0e-08      0 / 1.4e-17        no bias correction:     8.9e-04 / 2.2e-03
+    grpo_kl_icepop     0 / 0            1.1e-16 / 0        the KL term weighted:   1.7e-03 / 2.6e-03
+    grpo_kl_tis        0 / 0            5.6e-17 / 0        the KL term weighted:   8.2e-04 / 2.0e-03
     grpo_kl_extreme    0 / 2.0e+03      0 / 4.8e-07        default clamps:         8.6e+09 / 9.0e+09  (scale 9e9)
     gmpo_extreme       3.0e-08 / 1.9e-09  4.4e-16 / 2.2e-16  log-ratio clamp 20:   3.0e+01 / 1.0e+01
 
 The draws did reach the clips: GSPO clipped 17% of tokens low and 6% high (whole responses), CISPO capped 5%
-of the weights, GMPO clipped 7% low and 8% high. What differs is rounding: our GSPO computes the same value
-in its stop-gradient (GSPO-token) form, which gives the sequence ratio's gradient.
+of the weights, GMPO clipped 7% low and 8% high; IcePop dropped 22% of the tokens and TIS capped 24%. What
+differs is rounding: our GSPO computes the same value in its stop-gradient (GSPO-token) form, which gives the
+sequence ratio's gradient.
 """
 
 from __future__ import annotations
@@ -84,6 +95,9 @@ def shared_tensors(seed: int, batch: int, width: int, scale: float, dtype: torch
     advantages = torch.randn(batch, generator=g, dtype=dtype)
     advantages[2] = 0.0
     ref = old - 0.3 * torch.rand(batch, width, generator=g, dtype=dtype)
+    # the sampler's (mu): log pi_old / mu ~ N(0, 0.8), so about a fifth of the tokens fall outside IcePop's
+    # [0.5, 5], and as many past a TIS cap of 2
+    sampled = torch.where(mask.bool(), old - 0.8 * torch.randn(batch, width, generator=g, dtype=dtype), junk)
     if extreme and batch >= 7:
         # first tokens (always inside the response): log r = +25 and -25 (past the +-20 log-ratio clamp; k3 of
         # about 24 too), log rho = ref - logp = 3 and 2.8 (k3 = 16.1 and 12.7, past the KL clamp 10), and -12
@@ -92,11 +106,25 @@ def shared_tensors(seed: int, batch: int, width: int, scale: float, dtype: torch
         ref[3, 0], ref[4, 0], ref[1, 0] = old[3, 0], old[4, 0], old[1, 0]
         for row, log_rho in ((5, 3.0), (6, 2.8), (0, -12.0)):
             ref[row, 0] = logprobs[row, 0] + log_rho
-    return dict(logprobs=logprobs, old=old, ref=ref, mask=mask, advantages=advantages)
+    return dict(logprobs=logprobs, old=old, ref=ref, mask=mask, advantages=advantages, sampled=sampled)
 
 
-def trl_loss(trainer_cls, args, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """TRL's `_compute_loss` on the shared tensors: (loss, d loss / d logprobs)."""
+def trl_sampler_ratio(t: dict, mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """The vLLM importance-sampling ratio pi_old / mu as TRL 1.16's `_generate_and_score_completions` computes it
+    in its token modes (the lines from `per_token_logps_diff` to `masked_fill`), which `_compute_loss` then reads
+    from `inputs["importance_sampling_ratio"]`."""
+    import math
+
+    ratio = torch.exp(torch.nan_to_num((t["old"] - t["sampled"]) * t["mask"], nan=0.0))
+    if mode == "token_truncate":
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low, high = -math.inf if clip_min is None else clip_min, math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def trl_loss(trainer_cls, args, t: dict, sampler: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's `_compute_loss` on the shared tensors: (loss, d loss / d logprobs). `sampler`: TRL's vLLM
+    importance-sampling correction (`trl_sampler_ratio` keyword arguments), as with `use_vllm=True`."""
     from accelerate import Accelerator
 
     trainer = trainer_cls.__new__(trainer_cls)
@@ -109,8 +137,9 @@ def trl_loss(trainer_cls, args, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
     trainer.beta = args.beta
     trainer.top_entropy_quantile = args.top_entropy_quantile
     trainer.off_policy_mask_threshold = args.off_policy_mask_threshold
-    trainer.use_vllm = args.use_vllm
-    trainer.vllm_importance_sampling_correction = args.vllm_importance_sampling_correction
+    # set here, not in the config: GRPOConfig(use_vllm=True) would need vLLM installed
+    trainer.use_vllm = args.use_vllm or sampler is not None
+    trainer.vllm_importance_sampling_correction = args.vllm_importance_sampling_correction and sampler is not None
     trainer.max_completion_length = args.max_completion_length
     trainer.entropy_coef, trainer.use_adaptive_entropy = args.entropy_coef, args.use_adaptive_entropy
     trainer._entropy_bonus_enabled = args.entropy_coef != 0.0 or args.use_adaptive_entropy
@@ -128,31 +157,40 @@ def trl_loss(trainer_cls, args, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
         "advantages": t["advantages"], "old_per_token_logps": t["old"], "ref_per_token_logps": t["ref"],
         "num_items_in_batch": t["mask"].sum(),
     }
+    if sampler is not None:
+        inputs["importance_sampling_ratio"] = trl_sampler_ratio(t, **sampler)
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
     return loss.detach(), leaf.grad
 
 
-def our_loss(algo, t: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The plugin's per-token loss reduced as the `rl` stage reduces one micro-batch that is a whole step."""
+def our_loss(algo, t: dict, correction: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The plugin's per-token loss reduced as the `rl` stage reduces one micro-batch that is a whole step;
+    `correction`: the stage's `tis_cap` / `icepop` setting, its weights computed and applied as the stage does."""
     from alignflow.core.rl.aggregation import aggregate
-    from alignflow.core.rl.algorithm import PolicyBatch, broadcast
+    from alignflow.core.rl.algorithm import PolicyBatch, broadcast, sampler_corrected
+    from alignflow.flows.stages.rl.update import mismatch_weights
 
     leaf = t["logprobs"].clone().requires_grad_(True)
     mask = t["mask"]
+    weights, counted = (None, {}) if correction is None else mismatch_weights(t["old"], t["sampled"], mask,
+                                                                               **correction)
     batch = PolicyBatch(logprobs=leaf, old_logprobs=t["old"], advantages=broadcast(t["advantages"], mask),
-                        response_mask=mask, group=torch.zeros(len(mask), dtype=torch.long), ref_logprobs=t["ref"])
-    per_token, metrics = algo.loss(batch)
+                        response_mask=mask, group=torch.zeros(len(mask), dtype=torch.long), ref_logprobs=t["ref"],
+                        policy_weights=weights)
+    per_token, metrics = sampler_corrected(algo, batch)
+    metrics.update(counted)  # the share of tokens IcePop dropped or TIS capped
     loss = aggregate(per_token, mask, algo.loss_agg_mode)
     loss.backward()
     return loss.detach(), leaf.grad, {k: float(v) for k, v in metrics.items()}
 
 
 def cases():
-    """name -> (TRL trainer class, TRL config kwargs, our algorithm, log-prob noise scale, a control).
+    """name -> (TRL trainer class, TRL config kwargs, our algorithm, log-prob noise scale, a control[, options]).
 
     The control is our algorithm with one thing changed on purpose: its distance from TRL shows the check
-    would see a real mismatch of that size."""
+    would see a real mismatch of that size. Options: `extreme` (draws past our clamps), `sampler` (TRL's vLLM
+    importance-sampling ratio, `trl_sampler_ratio`) with `correction` (the stage's matching setting)."""
     from trl import GRPOTrainer
 
     def ours(module: str, cls: str, **kw):
@@ -165,6 +203,14 @@ def cases():
         from trl.experimental.gmpo import GMPOTrainer
         return GMPOTrainer
 
+    def whole_loss_weighted(**kw):  # the stage before the fix: the sampler weights on the KL term too
+        def make():
+            from alignflow.plugins.grpo import GRPO
+
+            algo = type("GRPOWholeLoss", (GRPO,), {"applies_policy_weights": False})
+            return algo(algo.Config(**kw))
+        return make
+
     seq = dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=3e-4, epsilon_high=4e-4)
     tok = dict(importance_sampling_level="token", loss_type="grpo", epsilon=0.2, beta=0.04)  # grpo's defaults
     no_clamps = dict(log_ratio_clamp=None, kl_clamp=None)
@@ -175,17 +221,28 @@ def cases():
                     ("no bias correction (our default)", ours("grpo", "GRPO"))),
         "grpo_kl_unweighted": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=False), ours("grpo", "GRPO"),
                                0.3, ("bias correction on", ours("grpo", "GRPO", kl_loss_bias_correction=True))),
+        # the sampler correction with a KL term: TRL's vLLM ratio against the stage's `icepop` / `tis_cap` weights;
+        # both weight the clipped surrogate and add beta k3 unweighted
+        "grpo_kl_icepop": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=False), ours("grpo", "GRPO"), 0.3,
+                           ("the KL term weighted too", whole_loss_weighted()),
+                           dict(sampler=dict(mode="token_mask", clip_min=0.5, clip_max=5.0),
+                                correction=dict(icepop=(0.5, 5.0)))),
+        "grpo_kl_tis": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=False), ours("grpo", "GRPO"), 0.3,
+                        ("the KL term weighted too", whole_loss_weighted()),
+                        dict(sampler=dict(mode="token_truncate", clip_min=None, clip_max=2.0),
+                             correction=dict(tis_cap=2.0))),
         # tokens past both clamps: TRL clamps neither, so ours matches it with both set to None
         "grpo_kl_extreme": (lambda: GRPOTrainer, dict(tok, use_bias_correction_kl=True),
                             ours("grpo", "GRPO", kl_loss_bias_correction=True, **no_clamps), 0.3,
-                            ("our default clamps", ours("grpo", "GRPO", kl_loss_bias_correction=True)), True),
+                            ("our default clamps", ours("grpo", "GRPO", kl_loss_bias_correction=True)),
+                            dict(extreme=True)),
         "gspo_kl_default": (lambda: GRPOTrainer, dict(seq, beta=0.04, use_bias_correction_kl=True),
                             ours("gspo", "GSPO", kl_loss_coef=0.04, kl_loss_bias_correction=True), 2e-3,
                             ("no bias correction", ours("gspo", "GSPO", kl_loss_coef=0.04))),
         "gmpo_extreme": (gmpo_trainer, dict(epsilon=0.4, beta=0.0), ours("gmpo", "GMPO", log_ratio_clamp=None), 0.5,
-                         ("our default log-ratio clamp 20", ours("gmpo", "GMPO")), True),
+                         ("our default log-ratio clamp 20", ours("gmpo", "GMPO")), dict(extreme=True)),
         "gspo_extreme": (lambda: GRPOTrainer, dict(seq, beta=0.0), ours("gspo", "GSPO", log_ratio_clamp=None), 2e-3,
-                         ("our default log-ratio clamp 20", ours("gspo", "GSPO")), True),
+                         ("our default log-ratio clamp 20", ours("gspo", "GSPO")), dict(extreme=True)),
         # noise 2e-3 per token: mean log-ratios of ~1e-3, around the 3e-4 / 4e-4 bounds
         "gspo": (lambda: GRPOTrainer, dict(seq, beta=0.0), ours("gspo", "GSPO"), 2e-3,
                  ("token-mean aggregation", ours("gspo", "GSPO", loss_agg_mode="token-mean"))),
@@ -215,7 +272,8 @@ def trl_config(name: str, kwargs: dict):
 
 
 def run_case(name: str, spec, args) -> dict:
-    trainer_factory, kwargs, algo_factory, scale, (control_name, control_factory), *extreme = spec
+    trainer_factory, kwargs, algo_factory, scale, (control_name, control_factory), *rest = spec
+    options = rest[0] if rest else {}
     try:
         algo, control, trainer_cls = algo_factory(), control_factory(), trainer_factory()
     except ImportError as e:  # a plugin not written yet
@@ -226,10 +284,10 @@ def run_case(name: str, spec, args) -> dict:
         worst = defaultdict(float)
         metrics = []
         for seed in range(args.seeds):
-            t = shared_tensors(seed, args.batch, args.width, scale, dtype, bool(extreme))
-            trl_value, trl_grad = trl_loss(trainer_cls, config, t)
-            our_value, our_grad, m = our_loss(algo, t)
-            control_value, control_grad, _ = our_loss(control, t)
+            t = shared_tensors(seed, args.batch, args.width, scale, dtype, options.get("extreme", False))
+            trl_value, trl_grad = trl_loss(trainer_cls, config, t, options.get("sampler"))
+            our_value, our_grad, m = our_loss(algo, t, options.get("correction"))
+            control_value, control_grad, _ = our_loss(control, t, options.get("correction"))
             for key, value in {
                 "loss_abs_diff": (trl_value - our_value).abs(), "grad_abs_diff": (trl_grad - our_grad).abs().max(),
                 "loss_abs": trl_value.abs(), "grad_abs_max": trl_grad.abs().max(),

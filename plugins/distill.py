@@ -11,7 +11,7 @@ from torch import Tensor
 from alignflow.core import hookimpl
 from alignflow.core.rl.aggregation import AggMode
 from alignflow.core.rl.algorithm import (PolicyBatch, PolicyGradient, PolicyGradientConfig, Rollout, broadcast,
-                                         with_kl_loss)
+                                         policy_weighted, with_kl_loss)
 from alignflow.core.rl.capabilities import TeacherDistributions
 from alignflow.core.rl.divergence import Divergence, TopKTail, logit_divergence
 from alignflow.core.rl.parts import discounted_returns, group_normalize, kl_estimate, masked_mean
@@ -33,8 +33,9 @@ class DistillConfig(PolicyGradientConfig):
     divergence: Divergence = "jsd"  # of `top_k` / `full`: forward_kl, reverse_kl or GKD's jsd (TRL's default)
     beta: float = Field(0.5, gt=0.0, lt=1.0)  # JSD's weight of the teacher in M (GKD's and TRL's default 0.5)
     top_k: int = Field(64, ge=1)  # k of `top_k`: the teacher's k likeliest tokens at each position
-    # what top_k does with the other tokens' mass: renormalize both over the k tokens, drop it (verl's forward KL),
-    # or bucket it as a (k+1)-th outcome; see alignflow.core.rl.divergence.top_k_log_probs
+    # what top_k does with the other tokens' mass: renormalize both over the k tokens, drop it (verl's forward KL
+    # with its floors: log-probs at -10, each position's sum in [0, 10]), or bucket it as a (k+1)-th outcome; see
+    # alignflow.core.rl.divergence.top_k_log_probs
     top_k_tail: TopKTail = "renormalize"
     chunk_positions: int = Field(256, ge=1)  # positions per softmax chunk of the top_k / full divergence
 
@@ -66,7 +67,8 @@ class Distill(TeacherDistributions, PolicyGradient):
     computed per micro-batch under no_grad inside the micro-step, never for the whole rollout. `form: top_k`
     restricts both to the teacher's top_k tokens at each position, renormalised over them by default
     (`top_k_tail`: the student's mass outside them then gets no gradient; `drop` is verl's unrenormalised top-k
-    forward KL, `bucket` keeps the rest as one more outcome). The paper averages over each sequence's tokens, then over
+    forward KL with verl's floors, log-probs at -10 and each position's sum in [0, 10]; `bucket` keeps the rest as
+    one more outcome). The paper averages over each sequence's tokens, then over
     sequences (loss_agg_mode seq-mean-token-mean, the default here); TRL's token-mean is a setting. The logits
     are divided by the stage's sampling temperature as every log-prob of the stage; TRL's loss uses 1 (sample at
     temperature 1 for its form). TRL's beta = 0 / beta = 1 (un-scaled KLs) are forward_kl / reverse_kl here.
@@ -119,16 +121,15 @@ class Distill(TeacherDistributions, PolicyGradient):
                                c.chunk_positions) * mask
         # named by form and divergence (`distill/full_reverse_kl`): `distill/reverse_kl` is the sampled estimate
         metrics = {f"distill/{c.form}_{c.divergence}": masked_mean(div.detach(), mask)}
-        if c.reward_weight > 0:
-            surrogate, more = super().loss(batch)
-            div = div + surrogate
-            metrics.update(more)
-        elif c.kl_loss_coef > 0:
-            div, more = with_kl_loss(div, batch, c, {})
-            metrics.update(more)
+        if c.reward_weight > 0:  # the surrogate (sampler-weighted) and any KL term, then the weighted divergence
+            loss, more = super().loss(batch)
+            loss = loss + policy_weighted(div, batch)
+        else:  # the sampler weights on the divergence, and the KL term, if any, unweighted
+            loss, more = with_kl_loss(div, batch, c, {})
+        metrics.update(more)
         if batch.teacher_logprobs is not None:
             metrics["distill/reverse_kl"] = masked_mean(batch.old_logprobs - batch.teacher_logprobs, mask)
-        return div, {k: v.detach() for k, v in metrics.items()}
+        return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 @hookimpl

@@ -52,7 +52,10 @@ def trust_region_mask(logprobs: Tensor, anchor: Tensor, advantages: Tensor, dive
     D > delta_high, or A <= 0, p < p_mu and D > delta_low, D the binary KL. A token moving against its
     advantage is never masked (as PPO's min)."""
     with torch.no_grad():
-        p, p_mu = logprobs.float().exp(), anchor.float().exp()  # fp32: binary KL is ill-conditioned near 1
+        # fp32 at least (binary KL is ill-conditioned near 1), fp64 when given: a decision within 6e-8 of delta
+        # would otherwise depend on float32 rounding
+        dtype = torch.promote_types(torch.promote_types(logprobs.dtype, anchor.dtype), torch.float32)
+        p, p_mu = logprobs.to(dtype).exp(), anchor.to(dtype).exp()
         positive = advantages > 0
         if divergence == "tv":
             return torch.where(positive, p - p_mu > delta_high, p - p_mu < -delta_low)

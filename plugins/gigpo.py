@@ -71,9 +71,10 @@ class GiGPO(EpisodeTurns, GRPO):
     credit a critic would otherwise give, at no extra rollout: only hashing. The stage's reward is the
     episode's total, placed at its last turn L, so R_t = gamma^(L-t) R. A step alone in its state gets A^S = 0,
     as in the paper and verl-agent. F_norm is the group's unbiased std + 1e-6 (`scale_rewards: false`: 1, at
-    both levels). A^E's statistics are over the episodes; verl-agent by default takes them over the steps
-    (each episode once per turn), `episode_stats: steps`. States match exactly (verl-agent can also cluster
-    similar observations, which is not offered here).
+    both levels). A group of one episode gets A^E = 0, the paper's Eq. 3 (R minus its own mean), as GRPO;
+    verl-agent gives it mean 0 and std 1, so A^E = R there. A^E's statistics are over the episodes; verl-agent
+    by default takes them over the steps (each episode once per turn), `episode_stats: steps`. States match
+    exactly (verl-agent can also cluster similar observations, which is not offered here).
 
     A state is a hash of the environment's latest observation (`anchor_state: observation`: the prompt before
     the first turn, a tool's result after a call), the paper's choice and verl-agent's; `history` hashes

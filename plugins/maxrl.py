@@ -42,7 +42,9 @@ class MaxRL(PolicyGradient):
     unbiased for the gradient of J^(N) = -sum_{k=1..N} (1 - p)^k / k, which tends to log p (maximum likelihood)
     as the group size N grows: N is the truncation order, not only a variance knob. One success among 16
     gets +15, each failure -1 (GRPO: +3.75, -0.25). Defined for 0/1 rewards; partial credit voids the theorem.
-    As the official code (a verl fork): PPO's clipped surrogate (0.2/0.2), token-mean, no KL.
+    The loss is the official code's (a verl fork) but for one clip: PPO's clipped surrogate (0.2/0.2), token-mean,
+    no KL, and no dual clip by default, where the official code inherits verl's dual clip at c = 3 for A < 0
+    (`clip_ratio_c`): `dual_clip: 3` matches it exactly.
     """
 
     Config: ClassVar[type[MaxRLConfig]] = MaxRLConfig

@@ -36,6 +36,7 @@ class SAPO(RLAlgorithm):
     """
 
     Config: ClassVar[type[SAPOConfig]] = SAPOConfig
+    applies_policy_weights: ClassVar[bool] = True  # in `with_kl_loss`
 
     def uses_reference(self) -> bool:
         return self.config.kl_loss_coef > 0

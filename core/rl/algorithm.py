@@ -7,8 +7,9 @@ The stage drives every algorithm the same way, without knowing which one it runs
     advantages, returns = algo.advantages(rollout)  # once per rollout, on the whole batch
     skip = algo.inert_rows(rollout, advantages)     # rows with a zero loss and gradient: never forwarded
     for each of ppo_epochs, each optimizer step, each micro-batch `idx`:
-        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...)
-        per_token, metrics = algo.loss(batch)
+        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...,
+                                  policy_weights=...)     # tis_cap / icepop: pi_old / mu, capped or banded
+        per_token, metrics = sampler_corrected(algo, batch)  # algo.loss, the weights on its policy term only
         norm = StepNorm(step tokens, step sequences, algo.norm_constant(rollout))
         loss = aggregate(per_token, batch.response_mask, algo.loss_agg_mode, norm)
         if algo.requires_critic: loss += aggregate(algo.value_loss(batch)[0], ..., same mode and norm)
@@ -119,9 +120,10 @@ class Rollout:
         advantages: Tensor,
         returns: Tensor | None = None,
         values: Tensor | None = None,
+        policy_weights: Tensor | None = None,
     ) -> "PolicyBatch":
-        """The loss's view of rows `index`: current `logprobs`/`values` of those rows; rollout-wide
-        `advantages`/`returns` are sliced here."""
+        """The loss's view of rows `index`: current `logprobs`/`values` and `policy_weights` of those rows;
+        rollout-wide `advantages`/`returns` are sliced here."""
         rows = self.select(index)
         return PolicyBatch(
             logprobs=logprobs,
@@ -137,6 +139,7 @@ class Rollout:
             values=values,
             old_values=rows.values,
             returns=None if returns is None else returns[index],
+            policy_weights=policy_weights,
         )
 
 
@@ -161,6 +164,9 @@ class PolicyBatch:
     values: Tensor | None = None  # [b, T] current critic, differentiable
     old_values: Tensor | None = None  # [b, T] critic at rollout time
     returns: Tensor | None = None  # [b, T] critic targets
+    # [b, T] detached weights of the policy term alone, the stage's correction for the sampler (`tis_cap`,
+    # `icepop`: pi_old / mu, capped or banded); None: 1. A KL-to-reference term is never weighted (`with_kl_loss`)
+    policy_weights: Tensor | None = None
 
 
 class RLAlgorithm(LegacyMembers, Algorithm):
@@ -174,6 +180,10 @@ class RLAlgorithm(LegacyMembers, Algorithm):
     requires_step_rewards: ClassVar[bool] = False  # a process reward (the `prm` reward) scores each step
     requires_whole_groups: ClassVar[bool] = False  # the loss couples responses of one prompt
     requires_teacher: ClassVar[bool] = False  # a frozen teacher (the stage's `teacher` input) scores the samples
+    # the loss multiplies its policy term by `PolicyBatch.policy_weights` itself and adds its KL-to-reference term
+    # unweighted (`with_kl_loss` does both); False: the loss never sees them, and the stage multiplies its whole
+    # per-token loss by them (`sampler_corrected`)
+    applies_policy_weights: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig | None = None):
         super().__init__(config)
@@ -259,6 +269,7 @@ class PolicyGradient(RLAlgorithm):
     """PPO's clipped surrogate plus an optional KL-to-reference loss; subclasses supply the advantages."""
 
     Config: ClassVar[type[PluginConfig]] = PolicyGradientConfig
+    applies_policy_weights: ClassVar[bool] = True  # in `with_kl_loss`, which every policy loss here ends with
 
     def uses_reference(self) -> bool:
         return self.config.kl_loss_coef > 0
@@ -293,13 +304,17 @@ class PolicyGradient(RLAlgorithm):
 
 def with_kl_loss(loss: Tensor, batch: PolicyBatch, config: KLLossConfig, metrics: dict[str, Tensor],
                  ratio: Tensor | None = None):
-    """`loss` + kl_loss_coef * the per-token KL estimate to the reference (`actor/kl_ref`) when the coefficient
-    is positive, and the metrics detached: the end of every policy loss with an optional KL term.
+    """`loss` (the policy term) times `batch.policy_weights`, + kl_loss_coef * the per-token KL estimate to the
+    reference (`actor/kl_ref`) when the coefficient is positive, and the metrics detached: the end of every
+    policy loss with an optional KL term.
 
-    With `kl_loss_bias_correction` the estimate (clamped first) is multiplied by `ratio`, by default the token
-    ratio exp(clamp(log pi_theta - log pi_old)), differentiable; an algorithm whose ratio is per response (GSPO)
-    passes its own, as TRL uses the sequence ratio there.
+    The sampler correction weights the policy term only, as verl (which adds the KL loss outside its policy
+    losses), TRL (its vLLM importance ratio multiplies the loss before `beta * kl` is added) and IcePop's
+    objective. With `kl_loss_bias_correction` the estimate (clamped first) is multiplied by `ratio`, by default
+    the token ratio exp(clamp(log pi_theta - log pi_old, +-log_ratio_clamp)), differentiable; an algorithm whose
+    ratio is per response (GSPO) passes its own, as TRL uses the sequence ratio there.
     """
+    loss = policy_weighted(loss, batch)
     if config.kl_loss_coef > 0:
         bound = config.log_ratio_clamp
         kl = kl_estimate(batch.logprobs, batch.ref_logprobs, config.kl_loss_estimator, config.kl_clamp, bound)
@@ -310,6 +325,21 @@ def with_kl_loss(loss: Tensor, batch: PolicyBatch, config: KLLossConfig, metrics
         loss = loss + config.kl_loss_coef * kl
         metrics["actor/kl_ref"] = masked_mean(kl, batch.response_mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def policy_weighted(loss: Tensor, batch: PolicyBatch) -> Tensor:
+    """[b, T] `loss` times `batch.policy_weights` (the sampler correction); unchanged without them."""
+    return loss if batch.policy_weights is None else loss * batch.policy_weights
+
+
+def sampler_corrected(algo: RLAlgorithm, batch: PolicyBatch, loss=None) -> tuple[Tensor, dict[str, Tensor]]:
+    """`loss(batch)` (default `algo.loss`) with `batch.policy_weights`: applied by the loss to its policy term when
+    the algorithm `applies_policy_weights`, else (the loss never sees them) to its whole per-token loss."""
+    loss = loss or algo.loss
+    if algo.applies_policy_weights or batch.policy_weights is None:
+        return loss(batch)
+    per_token, metrics = loss(replace(batch, policy_weights=None))
+    return per_token * batch.policy_weights, metrics
 
 
 def broadcast(per_response: Tensor, mask: Tensor) -> Tensor:

@@ -31,6 +31,10 @@ def _kl(log_p: Tensor, log_q: Tensor) -> Tensor:
 
 
 TopKTail = Literal["renormalize", "drop", "bucket"]
+# verl's defaults for its top-k forward KL, which `drop` follows: each log-prob floored (`log_prob_min_clamp`),
+# then the per-position partial sum floored at 0 and clamped to +-10 (`loss_max_clamp`); zero gradient past each
+DROP_LOG_PROB_FLOOR = -10.0
+DROP_LOSS_CLAMP = 10.0
 
 
 def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
@@ -41,9 +45,11 @@ def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
     renormalize (default): both distributions are renormalised over the k tokens (a softmax of the k logits), so
       each is a distribution; the student's mass outside the k tokens then has no gradient at all: it is not
       pushed into them, only shaped inside them.
-    drop: the full-vocabulary log-probs of the k tokens, their tail mass ignored, as verl's
-      `compute_forward_kl_topk`; the forward KL is then verl's sum_{v in top-k} P(v) (log P(v) - log Q(v)), which
-      does raise the student's mass on the k tokens. (The reverse KL and JSD of such partial sums are not
+    drop: the full-vocabulary log-probs of the k tokens, their tail mass ignored, each floored at -10
+      (DROP_LOG_PROB_FLOOR), as verl's `compute_forward_kl_topk`; the forward KL is then verl's
+      sum_{v in top-k} P(v) (log P(v) - log Q(v)), which does raise the student's mass on the k tokens, and
+      `logit_divergence` floors it at 0 and clamps it at 10 as verl (the sum is negative where the student puts
+      more mass on the k tokens than the teacher). (The reverse KL and JSD of such partial sums are not
       divergences: use them with `renormalize` or `bucket`.)
     bucket: k + 1 outcomes, the k tokens and one for all the others (each side's tail mass), both still
       distributions, so the student's tail mass is penalised too.
@@ -52,8 +58,8 @@ def top_k_log_probs(student_logits: Tensor, teacher_logits: Tensor, k: int,
     if tail == "renormalize":
         return student_logits.gather(-1, index).log_softmax(-1), teacher_logits.gather(-1, index).log_softmax(-1)
     s, t = student_logits.log_softmax(-1).gather(-1, index), teacher_logits.log_softmax(-1).gather(-1, index)
-    if tail == "drop":
-        return s, t
+    if tail == "drop":  # below e^-10 a student's log-prob is held (no gradient) and a teacher's raised to e^-10
+        return s.clamp(min=DROP_LOG_PROB_FLOOR), t.clamp(min=DROP_LOG_PROB_FLOOR)
     return _with_tail(s), _with_tail(t)
 
 
@@ -80,7 +86,8 @@ def logit_divergence(student_logits: Tensor, teacher_logits: Tensor, kind: Diver
                      top_k: int | None = None, tail: TopKTail = "renormalize", chunk: int = 256) -> Tensor:
     """[b, T] divergence at each position from [b, T, V] logits (float32 at least), over `chunk` positions at a
     time so the softmax intermediates are of one chunk; `top_k` restricts both to the teacher's k likeliest
-    tokens (`top_k_log_probs`). A logits width past the shared vocabulary (a padded embedding) is cut off."""
+    tokens (`top_k_log_probs`; with `drop` the partial sum is then floored at 0 and clamped at 10, as verl). A
+    logits width past the shared vocabulary (a padded embedding) is cut off."""
     width = min(student_logits.shape[-1], teacher_logits.shape[-1])
     out = []
     for lo in range(0, student_logits.shape[1], chunk):
@@ -88,9 +95,13 @@ def logit_divergence(student_logits: Tensor, teacher_logits: Tensor, kind: Diver
         t = teacher_logits[:, lo:lo + chunk, :width].to(s.device)
         dtype = torch.promote_types(s.dtype, torch.float32)
         s, t = s.to(dtype), t.to(dtype)
-        if top_k is not None and top_k < width:
+        partial = top_k is not None and top_k < width
+        if partial:
             s, t = top_k_log_probs(s, t, top_k, tail)
         else:
             s, t = s.log_softmax(-1), t.log_softmax(-1)
-        out.append(divergence(s, t, kind, beta))
+        d = divergence(s, t, kind, beta)
+        # a partial sum (`drop`) can be negative: verl floors it at 0, so a student nearer the teacher than 0
+        # is not pushed further; with log-probs floored at -10 it is under 10 (1 + k e^-10) before the clamp
+        out.append(d.clamp(0.0, DROP_LOSS_CLAMP) if partial and tail == "drop" else d)
     return torch.cat(out, dim=1)

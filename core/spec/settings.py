@@ -171,13 +171,14 @@ class RLSettings(PolicySettings):
     # Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you
     # off-policy RL training"): each token's policy loss is weighted by min(pi_old / mu, tis_cap), mu the
     # sampler's probability and pi_old the trainer's (recomputed), which corrects the rollout/trainer
-    # mismatch; None: no correction. The paper (and TRL, verl) use 2.
+    # mismatch; a KL-to-reference term is not weighted (as TRL, verl); None: no correction. The paper (and TRL,
+    # verl) use 2.
     tis_cap: float | None = Field(None, gt=0.0)
     # IcePop (inclusionAI's Ring team, 2025; the Ring-1T report, arXiv 2510.18855): each token's policy loss is
     # weighted by k = pi_old / mu where alpha <= k <= beta and by 0 outside: the tokens on which trainer and
     # sampler disagree that much are dropped rather than capped as `tis_cap` does (they still count in the
-    # loss's token count, as in verl, OpenRLHF and AReaL). [alpha, beta]; [0.5, 5] in the report and all three.
-    # None: off. Not with `tis_cap`.
+    # loss's token count, as in verl, OpenRLHF and AReaL); a KL-to-reference term is not weighted. [alpha, beta];
+    # [0.5, 5] in the report and all three. None: off. Not with `tis_cap`.
     icepop: tuple[float, float] | None = None
 
     @field_validator("icepop")

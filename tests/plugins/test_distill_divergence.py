@@ -86,6 +86,44 @@ def test_top_k_without_renormalising_is_verls_sum():
     assert got == pytest.approx(0.4 * ln(4) + 0.3 * ln(1.5), abs=1e-12)
 
 
+def test_top_k_drop_is_zero_at_the_teacher_and_never_negative():
+    """verl floors each position's partial sum at 0: a student with more mass than the teacher on the teacher's top
+    tokens gets 0 and no gradient, where the unfloored sum was negative and pushed it further."""
+    # the student is the teacher: exactly 0 (the floor's boundary passes the sum's gradient, as verl's clamp_min)
+    assert logit_divergence(P4.log()[None, None], P4.log()[None, None], "forward_kl", top_k=2, tail="drop").item() == 0
+    # students near the teacher: never below 0, and 0 exactly where the unfloored sum is negative
+    torch.manual_seed(0)
+    near = (P4.log() + 0.05 * torch.randn(64, 4, dtype=torch.float64))[:, None]
+    got = logit_divergence(near, P4.log().expand(64, 1, 4), "forward_kl", top_k=2, tail="drop")[:, 0]
+    q = near[:, 0].softmax(-1)
+    unfloored = (P4[:2] * (P4[:2].log() - q[:, :2].log())).sum(-1)
+    assert (unfloored < 0).sum() > 10 and (unfloored > 0).sum() > 10  # both sides drawn
+    torch.testing.assert_close(got, unfloored.clamp(min=0.0))
+    # Q = [0.45, 0.35, 0.1, 0.1] on the top 2 (P 0.4, 0.3): 0.4 ln(0.4/0.45) + 0.3 ln(0.3/0.35) = -0.093358,
+    # now 0 with no gradient
+    q = torch.tensor([0.45, 0.35, 0.1, 0.1], dtype=torch.float64)
+    assert 0.4 * ln(0.4 / 0.45) + 0.3 * ln(0.3 / 0.35) == pytest.approx(-0.093358, abs=1e-6)
+    z = q.log().clone().requires_grad_()
+    got = logit_divergence(z[None, None], P4.log()[None, None], "forward_kl", top_k=2, tail="drop")
+    got.sum().backward()
+    assert got.item() == 0.0 and torch.equal(z.grad, torch.zeros(4, dtype=torch.float64))
+
+
+def test_top_k_drop_floors_each_log_prob_at_minus_10():
+    """P = [0.5, 0.3, 0.2], the student's Q = [e^-12, 0.5, 0.5 - e^-12], top 2: the first term takes log Q = -10
+    (verl's `log_prob_min_clamp`), 0.5 (ln 0.5 + 10) + 0.3 ln(0.3/0.5) = 4.500178 (unfloored: 5.500178), and that
+    token's log-prob gets no gradient: d/dz = 0.3 (Q - onehot(1)) from the second term alone."""
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    tiny = math.exp(-12)
+    q = torch.tensor([tiny, 0.5, 0.5 - tiny], dtype=torch.float64)
+    z = q.log().clone().requires_grad_()
+    got = logit_divergence(z[None, None], p.log()[None, None], "forward_kl", top_k=2, tail="drop")
+    expected = 0.5 * (ln(0.5) + 10) + 0.3 * ln(0.3 / 0.5)
+    assert expected == pytest.approx(4.500178, abs=1e-6) and got.item() == pytest.approx(expected, abs=1e-12)
+    got.sum().backward()
+    torch.testing.assert_close(z.grad, 0.3 * (q - torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)))
+
+
 def test_top_k_with_a_tail_bucket():
     # outcomes {0, 1, rest}: P = [0.4, 0.3, 0.3], Q = [0.1, 0.2, 0.7]
     s, t = top_k_log_probs(Q4.log(), P4.log(), 2, "bucket")

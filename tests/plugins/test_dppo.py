@@ -8,7 +8,7 @@ import torch
 
 from alignflow.core.rl.aggregation import aggregate
 from alignflow.core.rl.algorithm import PolicyBatch
-from alignflow.plugins.dppo import DPPO, DPPOConfig, binary_kl
+from alignflow.plugins.dppo import DPPO, DPPOConfig, binary_kl, trust_region_mask
 from helpers.rollouts import make_rollout
 
 # Row 0 (A = +1): mu 0.5, 0.5, 0.05, 0.9 -> pi 0.5, 0.8, 0.2, 0.3
@@ -97,3 +97,19 @@ def test_anchor_rollout_versus_recompute():
     # without the sampler's log-probs the rollout anchor falls back to old_logprobs
     _, grad, _ = run(old=PI, sampler=None)
     torch.testing.assert_close(grad, -ADV / 6)
+
+
+def test_the_mask_is_decided_in_the_inputs_precision():
+    """float64 log-probs of p = 0.7 + 1e-8 against p_mu = 0.5, A > 0: p - p_mu = 0.20000001 > delta 0.2, so the
+    token left the trust region; computed in float32 (as before) p - p_mu rounds to 0.19999999 and it was kept."""
+    f64 = torch.float64
+    logprobs = torch.tensor([[math.log(0.7 + 1e-8)]], dtype=f64)
+    anchor, adv = torch.tensor([[math.log(0.5)]], dtype=f64), torch.ones(1, 1, dtype=f64)
+    assert trust_region_mask(logprobs, anchor, adv, "tv", 0.2, 0.2).item()
+    assert not trust_region_mask(logprobs.float(), anchor.float(), adv, "tv", 0.2, 0.2).item()  # float32 flips it
+    # the loss: now 0; kept (before) it was -min(r, 3) A log p = 1.4 x -ln 0.7 = 0.499345
+    batch = PolicyBatch(logprobs=logprobs, old_logprobs=anchor, advantages=adv, response_mask=torch.ones(1, 1),
+                        group=torch.zeros(1, dtype=torch.long), sampler_logprobs=anchor)
+    loss, metrics = DPPO().loss(batch)
+    assert loss.item() == 0.0 and metrics["actor/trust_region_masked_frac"].item() == 1.0
+    assert 1.4 * -math.log(0.7) == pytest.approx(0.499345, abs=1e-6)

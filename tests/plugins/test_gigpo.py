@@ -139,6 +139,20 @@ def test_single_turn_episodes_are_grpo_scaled_by_one_plus_omega():
     torch.testing.assert_close(GiGPO(GiGPOConfig(step_weight=0.0)).loss(batch)[0], GRPO().loss(batch)[0])
 
 
+@pytest.mark.parametrize("scale", [True, False])
+def test_a_group_of_one_episode_gets_no_advantage(scale):
+    """Eq. 3 on a group of one episode: R - mean_j R_j = 0, so A^E = 0 (as GRPO's group of one), with or without
+    the std. verl-agent gives such a group mean 0 and std 1, so A^E = R there (1 on every model token below). Its
+    two steps are alone in their states: A^S = 0, so the episode trains nothing here. Pinned: a deliberate
+    difference, the paper's formula."""
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1]])  # a prompt token, two turns of two model tokens, a reply between
+    turns = torch.tensor([[-1, 0, 0, -1, 1, 1]])
+    states = torch.tensor([[0, S0, S0, 0, A, A]])
+    r = make_rollout([1.0], group=[0], mask=mask, turns=turns, states=states)
+    adv, _ = GiGPO(GiGPOConfig(scale_rewards=scale)).advantages(r)
+    assert torch.equal(adv, torch.zeros(1, 6))
+
+
 def test_refuses_a_rollout_without_episodes():
     with pytest.raises(ValueError, match="multi-turn episodes"):
         GiGPO().advantages(make_rollout())

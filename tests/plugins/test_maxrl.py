@@ -11,6 +11,7 @@ from helpers.rollouts import make_rollout
 def test_defaults():
     c = MaxRLConfig()
     assert (c.reward, c.eps, c.kl_loss_coef, c.clip_low, c.clip_high) == ("total", 0.0, 0.0, 0.2, 0.2)
+    assert c.dual_clip is None  # the official code's verl dual clip at 3 is `dual_clip: 3` (see the docstring)
     assert MaxRL().loss_agg_mode == "token-mean" and not MaxRL().requires_reference
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from alignflow.core.rl.algorithm import PolicyBatch
+from alignflow.core.rl.algorithm import PolicyBatch, sampler_corrected
 from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
 from alignflow.core.train.models import position_ids
 
@@ -35,16 +35,19 @@ def columns(batch: PolicyBatch, start: int, stop: int) -> PolicyBatch:
 
 
 def distribution_step(model, teacher, algo, rollout, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-                      ids: Tensor, attention: Tensor, mask: Tensor, temperature: float):
-    """(per-token loss, metrics, the batch view it is aligned with, [b, T] entropy) of one micro-batch."""
+                      ids: Tensor, attention: Tensor, mask: Tensor, temperature: float,
+                      policy_weights: Tensor | None = None):
+    """(per-token loss, metrics, the batch view it is aligned with, [b, T] entropy) of one micro-batch;
+    `policy_weights` ([b, T], the rows' sampler correction) reach the loss in the view."""
     start, width = first_response_column(mask), ids.shape[1]
     student = response_logits(model, ids, attention, start, temperature)
     with torch.no_grad():
         teacher_logits = response_logits(teacher, ids, attention, start, temperature)
     logprobs = F.pad(logprobs_from_logits(student, ids[:, start:]), (start, 0)) * mask
     wide = F.pad(logprobs, (0, rollout.response_mask.shape[1] - width))
-    view = columns(rollout.minibatch(rows, logprobs=wide, advantages=advantages, returns=returns), start, width)
-    per_token, metrics = algo.distribution_loss(view, student, teacher_logits)
+    view = columns(rollout.minibatch(rows, logprobs=wide, advantages=advantages, returns=returns,
+                                     policy_weights=policy_weights), start, width)
+    per_token, metrics = sampler_corrected(algo, view, lambda b: algo.distribution_loss(b, student, teacher_logits))
     with torch.no_grad():
         entropy = F.pad(entropy_from_logits(student.detach()), (start, 0)) * mask
     return per_token, metrics, view, entropy

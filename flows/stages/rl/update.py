@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from alignflow.core.rl.aggregation import aggregate
+from alignflow.core.rl.algorithm import sampler_corrected
 from alignflow.core.rl.capabilities import TeacherDistributions, has
 from alignflow.core.train.models import token_logprobs
 from alignflow.core.rl.parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estimate, masked_mean
@@ -127,32 +128,31 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
                icepop: tuple[float, float] | None = None, measure: bool = False,
                packed: bool = False, teacher=None) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
-    token count) of the rows. `tis_cap` or `icepop` weight each token's policy loss (`mismatch_weights`);
-    `measure` (the first minibatch, before any update) adds the gap between the
-    sampler's log-probs and the trainer's on the sampled tokens. With a `teacher`, the loss is the algorithm's
-    `distribution_loss` on both models' logits (`distribution_step`)."""
+    token count) of the rows. `tis_cap` or `icepop` weight each token's policy term (`mismatch_weights`), not a
+    KL-to-reference term (`sampler_corrected`). `measure` (the first minibatch, before any update)
+    adds the gap between the sampler's log-probs and the trainer's on the sampled tokens. With a `teacher`, the
+    loss is the algorithm's `distribution_loss` on both models' logits (`distribution_step`)."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
+    weights, counted = None, {}
+    if r.sampler_logprobs is not None and (tis_cap is not None or icepop is not None):
+        weights, counted = mismatch_weights(r.old_logprobs[rows], r.sampler_logprobs[rows], r.response_mask[rows],
+                                            tis_cap, icepop)
     if teacher is not None:
         with engine.autocast():  # the loss on the logits too: it upcasts them (core/rl/divergence.py)
             per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
-                                                                  returns, ids, attention, mask, temperature)
+                                                                  returns, ids, attention, mask, temperature, weights)
     else:
         with engine.autocast():
             logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
                                                return_entropy=True, packed=packed)
             values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
         view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns,
-                           values=values)
-        per_token, metrics = algo.loss(view)
-    if r.sampler_logprobs is not None:
-        sampled = view.sampler_logprobs  # the view's columns (a distribution step cuts them)
-        if measure:
-            metrics.update(mismatch_metrics(view.logprobs.detach(), sampled, view.response_mask))
-        if tis_cap is not None or icepop is not None:
-            weights, counted = mismatch_weights(view.old_logprobs, sampled, view.response_mask, tis_cap, icepop)
-            per_token = per_token * weights
-            metrics.update(counted)
+                           values=values, policy_weights=weights)
+        per_token, metrics = sampler_corrected(algo, view)
+    metrics.update(counted)
+    if measure and r.sampler_logprobs is not None:  # the view's columns (a distribution step cuts them)
+        metrics.update(mismatch_metrics(view.logprobs.detach(), view.sampler_logprobs, view.response_mask))
     loss = aggregate(per_token, view.response_mask, algo.loss_agg_mode, norm)
     engine.backward(loss * weight)
     metrics["actor/loss"] = loss.detach()
