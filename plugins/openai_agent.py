@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import Field, computed_field, model_validator
 
 from alignflow.core import hookimpl
-from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy
+from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy, in_own_thread
 
 log = logging.getLogger(__name__)
 OUTPUT_LIMIT = 1 << 20  # bytes of a program's output kept: its last line is its result
@@ -78,13 +78,12 @@ class OpenAIAgent(AgentEnvironment):
         if inspect.iscoroutinefunction(fn):
             async with policy.client() as client:
                 return result_of(await fn(client, row, seed), self.config.function)
-        from openai import OpenAI
-
         def run():
-            with OpenAI(base_url=policy.base_url, api_key=policy.api_key, max_retries=0) as client:
+            with policy.sync_client() as client:
                 return fn(client, row, seed)
 
-        return result_of(await asyncio.to_thread(run), self.config.function)
+        # a thread of its own per episode: asyncio's default pool has a handful, and an episode mostly waits
+        return result_of(await in_own_thread(run), self.config.function)
 
     async def _command(self, row: dict, seed: int, policy: Policy):
         text = json.dumps(row, ensure_ascii=False, default=str)

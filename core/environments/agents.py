@@ -3,7 +3,8 @@
 An `AgentEnvironment` (an agent program written against the `openai` SDK, a verifiers environment, any harness)
 gets a base URL of its own for each episode and calls the policy there as it likes; its `rollout` returns the
 episode's reward. Meanwhile the calling thread serves the calls: it takes the calls waiting from every running
-episode (each waits at most `batch_wait_s` for the others), samples them in one sampler call, and answers them.
+episode (a batch closes when every running episode has a call waiting, or `batch_wait_s` after its first call),
+samples them in one sampler call, and answers them.
 What the trainer gets is what the endpoint recorded (core/environments/recording.py): the prompt ids, sampled
 ids and log-probs of every call, merged per episode while the calls extend each other.
 """
@@ -11,6 +12,7 @@ ids and log-probs of every call, merged per episode while the calls extend each 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -32,7 +34,9 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.sampling import Generation
 
 log = logging.getLogger(__name__)
-BATCH_WAIT_S = 0.05  # the default of `batch_wait_s`
+# the default of `batch_wait_s`: a decode of a batch costs about as much as one of a single call on a CPU, so a call
+# waits for the others rather than going alone; waiting for a quiet gap instead split batches on a loaded machine
+BATCH_WAIT_S = 1.0
 CLOSE_WAIT_S = 10.0  # after the episodes: how long the endpoint's thread may take to stop
 
 
@@ -46,18 +50,38 @@ class Policy:
 
     def client(self, **kwargs):
         """An `openai.AsyncOpenAI` client on this episode's URL, with no retries of its own."""
+        import httpx
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+        http = httpx.AsyncClient(verify=_ssl_context(), trust_env=False, timeout=None)
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, http_client=http, **kwargs)
+
+    def sync_client(self, **kwargs):
+        """An `openai.OpenAI` client on this episode's URL, with no retries of its own."""
+        import httpx
+        from openai import OpenAI
+
+        http = httpx.Client(verify=_ssl_context(), trust_env=False, timeout=None)
+        return OpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, http_client=http, **kwargs)
 
     def environ(self) -> dict[str, str]:
         """The variables the `openai` SDK reads (and OPENAI_MODEL, for programs that take their model from it)."""
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "OPENAI_MODEL": self.model}
 
 
+@functools.cache
+def _ssl_context():
+    """One SSL context for every episode's HTTP client: an OpenAI client builds its own otherwise, ~30-100 ms of
+    CPU each (the certificates loaded). One client per episode, not one shared: httpx's pool scans every
+    connection it holds on each request, which a batch of hundreds of episodes made the endpoint's main cost."""
+    import ssl
+
+    return ssl.create_default_context()
+
+
 class AgentConfig(PluginConfig):
     timeout_s: float = Field(300.0, gt=0)  # an episode still running after this long ends as `timeout`
-    batch_wait_s: float = Field(BATCH_WAIT_S, ge=0)  # how long a call waits for other episodes' calls to batch with
+    batch_wait_s: float = Field(BATCH_WAIT_S, ge=0)  # the longest a call waits for other episodes' calls to batch with
 
 
 class AgentEnvironment(Environment):
@@ -254,7 +278,7 @@ class DrivenEpisodes:
     def _answer(self, context, ids, lps, text, content, calls) -> Answer:
         stopped = bool(ids) and ids[-1] in self.stop_ids
         finish = "tool_calls" if calls else ("stop" if stopped else "length")
-        tokens = [self.tokenizer.decode([t]) for t in ids]
+        tokens = _Tokens(self.tokenizer, ids)  # decoded one by one only if the client asked for log-probs
         return Answer(context, ids, lps if lps is not None else [0.0] * len(ids), tokens, text, content, calls, finish)
 
     # --- the result ---
@@ -297,6 +321,18 @@ class DrivenEpisodes:
         return ids or [self.tokenizer.eos_token_id]
 
 
+class _Tokens:
+    """Each sampled id's text, decoded when first read."""
+
+    def __init__(self, tokenizer, ids: list[int]):
+        self.tokenizer, self.ids, self.texts = tokenizer, ids, None
+
+    def __iter__(self):
+        if self.texts is None:
+            self.texts = [self.tokenizer.decode([t]) for t in self.ids]
+        return iter(self.texts)
+
+
 def _outcome(result) -> tuple[float, dict]:
     if isinstance(result, Step):
         return float(result.reward), dict(result.info)
@@ -306,10 +342,15 @@ def _outcome(result) -> tuple[float, dict]:
 
 
 async def _call(fn, *args):
-    """Await `fn(*args)`: a coroutine function on this loop, else in a daemon thread of its own (a sync call that
-    hangs past its episode's timeout is left behind, never waited for at exit)."""
+    """Await `fn(*args)`: a coroutine function on this loop, else in a thread of its own (`in_own_thread`)."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args)
+    return await in_own_thread(fn, *args)
+
+
+async def in_own_thread(fn, *args):
+    """Await sync `fn(*args)` run in a daemon thread of its own: a call that hangs past its episode's timeout is
+    left behind, never waited for at exit (asyncio's pool would join it), and episodes never queue for threads."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 

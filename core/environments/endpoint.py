@@ -111,7 +111,7 @@ def completion_response(request: dict, answer: "Answer") -> dict:
         for t in answer.tokens:
             offsets.append(at)
             at += len(t)
-        choice["logprobs"] = {"tokens": answer.tokens, "token_logprobs": answer.logprobs,
+        choice["logprobs"] = {"tokens": list(answer.tokens), "token_logprobs": answer.logprobs,
                               "text_offset": offsets, "top_logprobs": None}
     return _wrap("text_completion", "cmpl", request, answer, choice)
 

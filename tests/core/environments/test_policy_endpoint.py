@@ -97,7 +97,8 @@ def test_an_sdk_driven_episode_equals_the_in_process_one(tiny):
     greedy = GenerationSettings(max_new_tokens=24, temperature=0.0)
     inside = episodes(Echo).generate(sampler, tok, ROWS, 2, greedy, seed=3)
     sampler.batches = []
-    outside = episodes(EchoAgent, batch_wait_s=30.0).generate(sampler, tok, ROWS, 2, greedy, seed=3)
+    together = {"batch_wait_s": 30.0}  # a batch closes when every episode's call waits
+    outside = episodes(EchoAgent, **together).generate(sampler, tok, ROWS, 2, greedy, seed=3)
     assert outside.prompt_ids == inside.prompt_ids
     assert outside.completion_ids == inside.completion_ids
     assert outside.loss_mask == inside.loss_mask

@@ -43,8 +43,9 @@ def test_vllm_endpoint_episodes_equal_in_process_ones(tmp_path):
     greedy = GenerationSettings(max_new_tokens=24, temperature=0.0)
     try:
         inside = Episodes(Echo, None, max_turns=3, max_tokens=200).generate(sampler, tok, ROWS, 2, greedy, seed=1)
-        outside = Episodes(EchoAgent, EchoAgent.Config(batch_wait_s=30.0), max_turns=3, max_tokens=200).generate(
-            sampler, tok, ROWS, 2, greedy, seed=1)
+        together = EchoAgent.Config(batch_wait_s=30.0)  # every episode's call in each batch
+        outside = Episodes(EchoAgent, together, max_turns=3, max_tokens=200).generate(sampler, tok, ROWS, 2, greedy,
+                                                                                      seed=1)
         drawn = Episodes(EchoAgent, EchoAgent.Config(), max_turns=3, max_tokens=200).generate(
             sampler, tok, ROWS, 2, GenerationSettings(max_new_tokens=24, temperature=1.0), seed=2)
     finally:
