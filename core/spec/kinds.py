@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -70,11 +71,11 @@ def _takes_answer(reward) -> bool:
 
 
 def _guided(algorithm) -> bool:
-    if not inspect.isclass(algorithm):
-        return False
-    from alignflow.core.rl.capabilities import GuidedSamples  # loaded with the algorithm's plugin already
-
-    return issubclass(algorithm, GuidedSamples)
+    """Whether an algorithm class has guided samples. Looked up, not imported (the spec must not import the RL
+    code, which imports it): an algorithm that subclasses the capability has loaded its module."""
+    capabilities = sys.modules.get("alignflow.core.rl.capabilities")
+    return inspect.isclass(algorithm) and capabilities is not None and issubclass(algorithm,
+                                                                                capabilities.GuidedSamples)
 
 
 def _rejection_rows(stage, plugins) -> str:
