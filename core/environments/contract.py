@@ -4,8 +4,9 @@ One instance per episode. `reset` starts it from a dataset row and a seed and re
 `step` takes each model turn (its text and parsed tool calls) and returns what the environment says back, a
 reward for the turn, whether the episode is over (and why, and whether it was won); `close` releases what it
 held. The stage's limits on the episode (`max_turns`, its token budget) are `limits`, set before `reset`.
-`reset`, `step` and `close` may be `async def`: the episodes of a batch run concurrently either way (sync ones in threads), on one
-event loop for the whole batch, so a connection an async `reset` opens serves its `step`s and `close`.
+`reset`, `step` and `close` may be `async def`: the episodes of a batch run concurrently either way (sync ones
+in threads), on one event loop for the whole batch, so a connection an async `reset` opens serves its `step`s
+and `close`.
 What the episodes of a batch share (a server they all connect to) comes from the class's `batch`.
 
 The default `step` serves the common case, a task with tools: a turn with tool calls gets their results
