@@ -31,10 +31,12 @@ err_console = Console(stderr=True)
 
 
 def cmd_plugins(args) -> int:
-    """List every loaded plugin: kind, name, distribution, version, description; `show NAME` for one."""
+    """List the loaded plugins (all, or one --kind's): kind, name, distribution, version, description; `show NAME`."""
     entries = get_plugins().entries()
     if args.action == "show":
         return _show_plugin(args, [e for e in entries if e.name == args.name])
+    if args.kind:
+        entries = [e for e in entries if e.kind == args.kind]
     if args.json:
         keys = ("kind", "name", "distribution", "version", "description", "stage", "entry_point", "config_schema")
         print(json.dumps([{k: d[k] for k in keys} for d in map(describe, entries)], indent=2))
@@ -272,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", nargs="?", choices=["show"], help="show NAME: one plugin's config fields")
     p.add_argument("name", nargs="?", help="the plugin to show")
     p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"],
-                   help="when names collide")
+                   help="list only this kind; with `show`, when names collide")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
 

@@ -87,7 +87,8 @@ def bundled(value: str, project: Path) -> bool:
 def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] | None = None,
                    rows_only: bool = False) -> list[str]:
     """Missing path-like inputs and bad rows of local JSONL datasets, over every stage (or `stages`);
-    `rows_only`: the datasets' rows alone. Without `plugins`, preference stages' rows are left out."""
+    `rows_only`: the datasets' rows alone. Without `plugins`, the rows of preference stages and of stages
+    with an environment are left out."""
     problems, checked, seen = [], set(), set()
     for name in spec.order():
         stage, label = spec.stages[name], spec.label(name)  # a loop's rounds: one label, one report
@@ -115,7 +116,7 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
                 continue
             if not isinstance(resolved, Path) or resolved.suffix != ".jsonl" or not resolved.is_file():
                 continue
-            if field == "dataset" and kind.schema_needs_plugins and plugins is None:
+            if field == "dataset" and kind.needs_plugins(stage) and plugins is None:
                 continue
             schema = dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
@@ -148,9 +149,10 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
         plugins = get_plugins()
     with_plugins = plugin_problems(spec, source, plugins, skip=misshapen)
     problems += with_plugins + cost_reward_problems(spec, source, plugins, misshapen | stages_of(with_plugins))
-    # Rows that follow the stage's algorithm (pairs or labelled rows): checked once it is loaded.
+    # Rows that follow the stage's algorithm (pairs or labelled rows) or, for episodes, what its rewards read:
+    # checked once they are loaded.
     by_algorithm = {name for name, stage in spec.stages.items()
-                    if stage_kind(stage.kind).schema_needs_plugins and spec.label(name) not in misshapen}
+                    if stage_kind(stage.kind).needs_plugins(stage) and spec.label(name) not in misshapen}
     problems += input_problems(spec, project, plugins, by_algorithm, rows_only=True)
     raise_all(pipeline, problems, shown)
     if regenerate and (key := _run_key(pipeline, overrides, project)) is not None:

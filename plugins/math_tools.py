@@ -48,6 +48,8 @@ class MathTools(Environment):
         tools: list[Literal["calculator", "python"]] = ["calculator"]
 
     def reset(self, row: dict, seed: int) -> str:
+        if row.get("answer") is None:  # a stage's rows need `answer` only where it is read: here it is
+            raise KeyError("math_tools scores against the row's `answer` column, which this row lacks")
         self.answer = str(row["answer"])
         return row["prompt"]
 

@@ -8,10 +8,11 @@ transcript.
 A command gets `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OPENAI_MODEL` (so `openai.OpenAI()` reaches the
 policy with no argument), `ALIGNFLOW_SEED`, and the dataset row as JSON in `ALIGNFLOW_ROW` and on its standard
 input; it runs in a temporary folder of its own and prints its result as the last line of its output:
-`{"reward": 1.0}` (other keys go to the episode's `info`) or a bare number. A function is called as
-`fn(client, row, seed)` with an `openai.OpenAI` client (an `openai.AsyncOpenAI` one for an `async def`) and
-returns the reward the same way. A program that exits non-zero, prints no result or runs past `timeout_s` ends
-its episode as an error (or timeout); the stage goes on.
+`{"reward": 1.0}` (`success` and `ended` are read as a `Step`'s, other keys go to the episode's `info`) or a bare
+number. A function is called as `fn(client, row, seed)` with an `openai.OpenAI` client (an `openai.AsyncOpenAI`
+one for an `async def`) and returns the reward the same way. A program that exits non-zero, prints no result or
+runs past `timeout_s` ends its episode as an error (or timeout); the stage goes on, unless every episode of a
+batch ended in error.
 """
 
 from __future__ import annotations

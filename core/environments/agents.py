@@ -26,7 +26,7 @@ from pydantic import Field
 
 from alignflow.core import seeds
 from alignflow.core.contracts import PluginConfig
-from alignflow.core.environments.contract import Environment, Step
+from alignflow.core.environments.contract import ENDINGS, Environment, Limits, Step, check_failures
 from alignflow.core.environments.endpoint import MODEL, Answer, RequestError, Server, app, in_thread
 from alignflow.core.environments.recording import EpisodeLog, Refused, Sample
 from alignflow.core.environments.tools import ToolFormat, tool_format
@@ -86,7 +86,8 @@ class AgentConfig(PluginConfig):
 
 class AgentEnvironment(Environment):
     """An environment that drives its own episode: `rollout(row, seed, policy)` (sync or `async def`) calls the
-    policy at `policy.base_url` and returns the episode's reward (a float, or a `Step` with `reward` and `info`)."""
+    policy at `policy.base_url` and returns the episode's reward (a float, a `Step` with `reward`, `success` and
+    `info`, or a dict with `reward` and optionally `success`, `ended`). The stage's limits are `limits`."""
 
     Config: ClassVar[type[PluginConfig]] = AgentConfig
 
@@ -146,7 +147,9 @@ class DrivenEpisodes:
         if "error" in out:
             raise AlignflowError(f"environment {self.spec.name!r}: the episodes' event loop failed: "
                                  f"{type(out['error']).__name__}: {out['error']}") from out["error"]
-        return self._generation(out["result"], time.perf_counter() - start, env_s)
+        outcomes = out["result"]
+        check_failures(self.spec.name, [e for _, e, _ in outcomes], [info.get("error") for *_, info in outcomes])
+        return self._generation(outcomes, time.perf_counter() - start, env_s)
 
     # --- the calling thread: batches of calls, sampled ---
     def _serve(self, sampler) -> float:
@@ -201,6 +204,7 @@ class DrivenEpisodes:
     async def _episode(self, i: int, url: str) -> tuple[float, str, dict]:
         """One episode: its reward, why it ended and what it said in `info`."""
         env = self.spec.environment(self.spec.config)
+        env.limits = Limits(self.spec.max_turns, self.budget)
         row = self.rows[self.index[i]]
         timeout = getattr(env.config, "timeout_s", AgentConfig().timeout_s)
         reward, ended, info = 0.0, "done", {}
@@ -208,12 +212,12 @@ class DrivenEpisodes:
             result = await asyncio.wait_for(_call(env.rollout, row, seeds.episode(self.seed, self.index[i]),
                                                   Policy(f"{url}/episodes/{i}/v1")), timeout)
             reward, info = _outcome(result)
-            ended = self.logs[i].limit or "done"
+            ended = self.logs[i].limit or info.get("ended", "done")
         except asyncio.TimeoutError:
             ended = "timeout"
             log.warning("environment %r: an episode ran past its %s s and was stopped", self.spec.name, timeout)
-        except Exception as exc:  # the episode fails, not the stage
-            ended = self.logs[i].limit or "error"
+        except Exception as exc:  # the episode fails, not the stage (unless every one of the batch does)
+            ended, info = self.logs[i].limit or "error", {"error": f"rollout raised {type(exc).__name__}: {exc}"}
             log.warning("environment %r failed on an episode; it ends: %s: %s", self.spec.name,
                         type(exc).__name__, exc)
         finally:  # also when the episodes are cancelled: an agent program is killed in its rollout
@@ -286,8 +290,8 @@ class DrivenEpisodes:
         """One row per recorded sample (an episode without any call: one empty row), in episode order."""
         rows: dict[str, list] = {k: [] for k in ("prompt_index", "prompt_ids", "ids", "mask", "lps", "truncated")}
         episodes: dict[str, list] = {k: [] for k in (
-            "reward", "turns", "tool_calls", "tool_errors", "ended", "messages", "turn_starts", "turn_history",
-            "turn_observation", "sample", "final", "info")}
+            "reward", "turns", "tool_calls", "tool_errors", "ended", "success", "messages", "turn_starts",
+            "turn_history", "turn_observation", "sample", "final", "info")}
         has_lps = True
         for i, (record, (reward, ended, info)) in enumerate(zip(self.logs, outcomes)):
             samples = record.samples or [None]
@@ -303,6 +307,7 @@ class DrivenEpisodes:
                 rows["truncated"].append(ended in ("max_turns", "max_tokens", "timeout"))
                 for key, value in (("reward", reward), ("turns", s.turns if s else 0),
                                    ("tool_calls", s.tool_calls if s else 0), ("tool_errors", 0), ("ended", ended),
+                                   ("success", None if info.get("success") is None else bool(info["success"])),
                                    ("messages", record.messages), ("sample", k), ("final", k == len(samples) - 1),
                                    ("info", info)):
                     episodes[key].append(value)
@@ -334,11 +339,17 @@ class _Tokens:
 
 
 def _outcome(result) -> tuple[float, dict]:
+    """A rollout's reward and info (`success` and `ended` in it when the rollout said them)."""
     if isinstance(result, Step):
-        return float(result.reward), dict(result.info)
-    if isinstance(result, dict):
-        return float(result.get("reward", 0.0)), {k: v for k, v in result.items() if k != "reward"}
-    return (0.0 if result is None else float(result)), {}
+        reward, info = float(result.reward), {**result.info, **({} if result.success is None
+                                                               else {"success": result.success})}
+    elif isinstance(result, dict):
+        reward, info = float(result.get("reward", 0.0)), {k: v for k, v in result.items() if k != "reward"}
+    else:
+        reward, info = (0.0 if result is None else float(result)), {}
+    if info.get("ended", "done") not in ENDINGS:
+        raise ValueError(f"rollout returned ended {info['ended']!r}; expected one of {', '.join(ENDINGS)}")
+    return reward, info
 
 
 async def _call(fn, *args):

@@ -89,10 +89,23 @@ class Transcript:
 
 
 def as_messages(observation: str | list[Message] | Any) -> list[Message]:
-    """An observation as messages: a string is one user message."""
+    """An observation as messages: a string is one user message, a list holds `{"role", "content"}` messages
+    (strings both); anything else is a TypeError saying what was expected, for the caller to name its source."""
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
+    if not isinstance(observation, (list, tuple)):
+        raise TypeError(f"got {type(observation).__name__} {_short(observation)}; expected a string (one user "
+                        'message) or a list of {"role": str, "content": str} messages')
+    for i, m in enumerate(observation):
+        if not isinstance(m, dict) or not all(isinstance(m.get(k), str) for k in ("role", "content")):
+            raise TypeError(f"item {i} of the list is {type(m).__name__} {_short(m)}; expected a "
+                            '{"role": str, "content": str} message')
     return list(observation)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def replay(tokenizer, messages: list[Message], tools: list[dict] | None = None) -> Transcript:

@@ -2,9 +2,11 @@
 
 One instance per episode. `reset` starts it from a dataset row and a seed and returns the first messages;
 `step` takes each model turn (its text and parsed tool calls) and returns what the environment says back, a
-reward for the turn and whether the episode is over; `close` releases what it held. `reset`, `step` and
-`close` may be `async def`: the episodes of a batch run concurrently either way (sync ones in threads), on one
-event loop for the whole batch, so a connection an async `reset` opens serves its `step`s and `close`.
+reward for the turn, whether the episode is over (and why, and whether it was won); `close` releases what it
+held. The stage's limits on the episode (`max_turns`, its token budget) are `limits`, set before `reset`.
+`reset`, `step` and `close` may be `async def`: the episodes of a batch run concurrently either way (sync ones
+in threads), on one event loop for the whole batch, so a connection an async `reset` opens serves its `step`s
+and `close`.
 What the episodes of a batch share (a server they all connect to) comes from the class's `batch`.
 
 The default `step` serves the common case, a task with tools: a turn with tool calls gets their results
@@ -27,9 +29,20 @@ if TYPE_CHECKING:
     from alignflow.core.environments.mcp import McpServer
 
 
+ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error", "timeout")  # why an episode ended
+
+
 class EpisodeError(AlignflowError):
     """An environment broke its contract where no episode can go on (a failing `reset`, an MCP server that does
-    not start)."""
+    not start, every episode of a batch failing)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The stage's limits on each episode (its `environment:` block), as the environment sees them."""
+
+    max_turns: int = 4  # model turns; the episode ends as `max_turns` after the last
+    max_tokens: int | None = None  # model and environment tokens after the prompt (None: not known here)
 
 
 @dataclass
@@ -45,8 +58,11 @@ class Turn:
 class Step:
     """The environment's answer to a turn: messages to append (none when it ends), a reward, whether it is over.
 
-    `observation` is a string (one user message) or a list of messages (`role` "tool" for tool results).
-    `tool_calls` and `tool_errors` count what this turn asked of tools, for the episode's metrics.
+    `observation` is a string (one user message), a list of `{"role", "content"}` messages (`role` "tool" for
+    tool results) or None (the episode ends). `tool_calls` and `tool_errors` count what this turn asked of
+    tools, for the episode's metrics. `success` says whether the episode was won, apart from its reward (None:
+    not said; the episode then counts as correct when its reward is at least 1). `info["ended"]` on a `done`
+    step says why it ended when not "done", as one of ENDINGS (an environment's own turn cap: "max_turns").
     """
 
     observation: str | list[Message] | None = None
@@ -55,6 +71,16 @@ class Step:
     tool_calls: int = 0
     tool_errors: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    success: bool | None = None
+
+
+def check_failures(name: str, ended: list[str], failures: list[str | None]) -> None:
+    """A batch in which every episode ended in `error` stops the stage, as a reward that fails on every sample of
+    a batch does: the environment, not the policy, is broken. `failures`: each episode's reason, if it failed."""
+    if ended and all(e == "error" for e in ended):
+        first = next((f for f in failures if f), "no reason recorded")
+        raise EpisodeError(f"environment {name!r} failed on every episode of a batch of {len(ended)}; the first: "
+                           f"{first}")
 
 
 class Environment:
@@ -62,6 +88,7 @@ class Environment:
 
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     mcp_tools: tuple = ()  # the batch's MCP servers' tools, set before `reset` (core/environments/mcp.py)
+    limits: Limits = Limits()  # the stage's limits on this episode, set before `reset`
 
     def __init__(self, config: PluginConfig | None = None):
         self.config = config if config is not None else self.Config()
@@ -99,7 +126,7 @@ class Environment:
         return Step(observation=results, tool_calls=len(turn.tool_calls), tool_errors=errors)
 
     def score(self, answer: str) -> float:
-        """The reward of the final answer (the last turn's text)."""
+        """The reward of the final answer: the text of the turn without tool calls (special tokens removed)."""
         return 0.0
 
     def close(self) -> None:

@@ -21,14 +21,14 @@ from typing import Any, Callable, Iterator
 from alignflow.core import seeds
 from alignflow.core.environments.agents import AgentEnvironment, DrivenEpisodes
 from alignflow.core.environments.chat import Transcript, as_messages
-from alignflow.core.environments.contract import Environment, EpisodeError, Step, Turn
+from alignflow.core.environments.contract import (ENDINGS, Environment, EpisodeError, Limits, Step, Turn,
+                                                  check_failures)
 from alignflow.core.environments.mcp import McpServer, mcp_tools
 from alignflow.core.environments.recording import state_hash
 from alignflow.core.environments.tools import ToolFormat, tool_format, tool_schema
 from alignflow.core.sampling import Generation
 
 log = logging.getLogger(__name__)
-ENDINGS = ("done", "max_turns", "max_tokens", "turn_tokens", "error", "timeout")  # why an episode ended
 # Per model turn of an episode: where it starts in the completion (a token offset), and state_hash of what
 # the model had read before it: the whole context (prompt, earlier turns and replies) and the environment's
 # latest observation alone (the first messages before turn 0, else the reply to the previous turn).
@@ -83,20 +83,18 @@ class Episodes:
             with mcp_tools(servers) as served:  # started for this batch, stopped however it ends
                 try:
                     for env in envs:
-                        env.mcp_tools = tuple(served)
+                        env.mcp_tools, env.limits = tuple(served), Limits(self.max_turns, self.budget(gen))
                     firsts = loop.run([(env.reset, rows[i], seeds.episode(seed, i)) for env, i in zip(envs, index)])
-                    for i, first in zip(index, firsts):
-                        if isinstance(first, BaseException):
-                            raise EpisodeError(f"environment {self.name!r} failed to start an episode on row {i} "
-                                               f"({_row_text(rows[i])}): {type(first).__name__}: {first}") from first
+                    firsts = [self._first(first, i, rows[i]) for i, first in zip(index, firsts)]
                     tools = tool_schemas(envs[0], self.name) if envs else {}  # alike in every episode
-                    runs = [_Run(env, Transcript(tokenizer, as_messages(first), list(tools.values()) or None),
-                                 as_messages(first)) for env, first in zip(envs, firsts)]
+                    runs = [_Run(env, Transcript(tokenizer, first, list(tools.values()) or None), first)
+                            for env, first in zip(envs, firsts)]
                     has_logprobs, env_s = self._turns(sampler, tokenizer, runs, gen, seed, fmt, tools, loop)
                 finally:
                     for result in loop.run([(env.close,) for env in envs]):
                         if isinstance(result, BaseException):
                             log.warning("environment %r failed to close an episode: %s", self.name, result)
+        check_failures(self.name, [r.ended for r in runs], [r.failure for r in runs])
         completions = [r.transcript.ids for r in runs]
         return Generation(
             prompt_index=index, completion_ids=completions,
@@ -108,10 +106,25 @@ class Episodes:
             loss_mask=[r.transcript.mask for r in runs],
             episodes={"reward": [r.reward for r in runs], "turns": [r.turns for r in runs],
                       "tool_calls": [r.tool_calls for r in runs], "tool_errors": [r.tool_errors for r in runs],
-                      "ended": [r.ended for r in runs], "messages": [r.messages for r in runs],
+                      "ended": [r.ended for r in runs], "success": [r.success for r in runs],
+                      "messages": [r.messages for r in runs],
                       **{k: [getattr(r, k) for r in runs] for k in TURN_RECORDS}},
             tools=list(tools.values()),  # the JSON schemas every episode was shown
         )
+
+    def _first(self, first, i: int, row: dict) -> list:
+        """What `reset` returned for row `i`, as messages; an exception or another type stops the stage, naming
+        the row (no episode of it can be played)."""
+        where = f"environment {self.name!r} failed to start an episode on row {i} ({_row_text(row)})"
+        if isinstance(first, BaseException):
+            raise EpisodeError(f"{where}: {type(first).__name__}: {first}") from first
+        try:
+            messages = as_messages(first)
+        except TypeError as exc:
+            raise EpisodeError(f"{where}: reset returned what is not a first message: {exc}") from None
+        if not messages:
+            raise EpisodeError(f"{where}: reset returned no message; expected at least one")
+        return messages
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
                tools: dict, loop: "EventLoop") -> tuple[bool, float]:
@@ -157,6 +170,8 @@ class _Run:
         self.observation = list(first)  # the environment's latest observation, as messages
         self.reward, self.turns, self.tool_calls, self.tool_errors = 0.0, 0, 0, 0
         self.ended: str | None = None
+        self.success: bool | None = None  # the environment's word on whether the episode was won (Step.success)
+        self.failure: str | None = None  # why the environment failed, when it ended as `error`
         self.turn_starts: list[int] = []
         self.turn_history: list[int] = []
         self.turn_observation: list[int] = []
@@ -169,22 +184,29 @@ class _Run:
 
     def take(self, answer: Step | BaseException, fmt: ToolFormat, budget: int, last: bool, name: str) -> None:
         """The environment's answer to the last turn: its reward, and its reply unless the episode is over."""
-        if isinstance(answer, BaseException) or not isinstance(answer, Step):
-            what = (f"{type(answer).__name__}: {answer}" if isinstance(answer, BaseException)
-                    else f"step returned {type(answer).__name__}, expected a Step")
-            log.warning("environment %r failed on a turn; the episode ends: %s", name, what)
+        said, problem = None, step_problem(answer)
+        if problem is None and not (answer.done or answer.observation is None):
+            try:
+                said = as_messages(answer.observation)
+            except TypeError as exc:
+                problem = f"step returned an observation that is not messages: {exc}"
+        if problem is not None:
+            self.failure = f"environment {name!r}, turn {self.turns - 1}: {problem}"
+            log.warning("%s; the episode ends", self.failure)
             self.ended = "error"
             return
         self.reward += float(answer.reward)
         self.tool_calls += answer.tool_calls
         self.tool_errors += answer.tool_errors
-        if answer.done or answer.observation is None:
-            self.ended = "done"
+        self.success = self.success if answer.success is None else bool(answer.success)
+        if said is None:
+            self.ended = answer.info.get("ended", "done")  # an environment's own cap is not a finish
+            if self.ended == "error":
+                self.failure = f"environment {name!r}, turn {self.turns - 1}: step ended the episode as 'error'"
             return
         if last:
             self.ended = "max_turns"
             return
-        said = as_messages(answer.observation)
         reply = [fmt.result(m) if m.get("role") == "tool" else m for m in said]
         ids = self.transcript.reply_ids(reply)
         if len(self.transcript.ids) + len(ids) >= budget:  # no room for the reply and a turn after it
@@ -193,6 +215,24 @@ class _Run:
         self.transcript.add_reply(reply, ids)
         self.messages += said
         self.observation = said
+
+
+def step_problem(answer) -> str | None:
+    """What keeps `step`'s return (or the exception it raised) from being a valid `Step`; None if it is one."""
+    if isinstance(answer, BaseException):
+        return f"step raised {type(answer).__name__}: {answer}"
+    if not isinstance(answer, Step):
+        return f"step returned {type(answer).__name__}; expected a Step"
+    if not isinstance(answer.info, dict):
+        return f"step returned a Step whose info is {type(answer.info).__name__}; expected a dict"
+    ended = answer.info.get("ended", "done")
+    if (answer.done or answer.observation is None) and ended not in ENDINGS:
+        return f"step returned info['ended'] = {ended!r}; expected one of {', '.join(ENDINGS)}"
+    try:
+        float(answer.reward)
+    except (TypeError, ValueError):
+        return f"step returned reward {answer.reward!r}; expected a number"
+    return None
 
 
 class EventLoop:

@@ -104,14 +104,40 @@ class ToolFormat:
                 return ToolCall(name, json.loads(arg))
             except json.JSONDecodeError:
                 pass
-        params = tools.get(name, {}).get("function", {}).get("parameters", {}).get("required", [])
-        return ToolCall(name, {params[0]: arg} if params else ({"input": arg} if arg else {}))
+        parameters = tools.get(name, {}).get("function", {}).get("parameters", {})
+        params = parameters.get("required", [])
+        if not params:
+            return ToolCall(name, {"input": arg} if arg else {})
+        kind = parameters.get("properties", {}).get(params[0], {}).get("type", "string")
+        try:  # the bare argument as its parameter's JSON type: `<call>add 2</call>` gives an integer 2
+            return ToolCall(name, {params[0]: _typed(arg, kind)})
+        except ValueError:
+            return ToolCall(name, {}, f"malformed tool call: {name} takes {params[0]} as JSON type {kind}, got {arg!r}")
 
     def result(self, message: Message) -> Message:
         """A tool message as this format shows it: the template wraps Hermes results; the tag form, the text."""
         if self.name == "hermes":
             return message
         return {**message, "content": f"<result>{message['content']}</result>"}
+
+
+def _typed(text: str, kind: str) -> Any:
+    """A tag-form argument as JSON type `kind` (a ValueError if it is not one); strings and unknown types as
+    written."""
+    if kind == "integer":
+        return int(text)
+    if kind == "number":
+        return float(text)
+    if kind == "boolean":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    if kind in ("array", "object"):
+        value = json.loads(text)  # a JSONDecodeError is a ValueError
+        if not isinstance(value, list if kind == "array" else dict):
+            raise ValueError(text)
+        return value
+    return text
 
 
 FORMATS = {

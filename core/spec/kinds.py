@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -45,6 +47,37 @@ def _preference_rows(stage, plugins) -> str:
     return preference_rows(plugins.algorithms.get(stage.algorithm.name), stage.inputs.get("dataset", ""))
 
 
+def episode_rows(stage, plugins) -> str:
+    """The rows a stage needs to play episodes: `prompt` (the default `reset`'s first message, and what rewards
+    get as the prompt), and `answer` too where the stage reads it: a listed reward with a parameter `answer`
+    (math_accuracy) or an algorithm with guided samples (ExPO shows it). Without `plugins`, both."""
+    if plugins is None:
+        return "prompt_answer"
+    rewards = [plugins.rewards.get(r.name) for r in stage.rewards if r.name in plugins.rewards]
+    name = stage.algorithm.name if stage.algorithm is not None else None
+    algorithm = plugins.algorithms.get(name) if name in plugins.algorithms else None
+    return "prompt_answer" if any(map(_takes_answer, rewards)) or _guided(algorithm) else "prompt"
+
+
+def _takes_answer(reward) -> bool:
+    """Whether a reward (a function, or a class called per batch) has a parameter `answer` without a default."""
+    call = reward if inspect.isfunction(reward) else getattr(reward, "__call__", None)
+    try:
+        param = inspect.signature(call).parameters.get("answer")
+    except (TypeError, ValueError):  # no signature to read: it takes what it is given
+        return False
+    return param is not None and param.default is param.empty and param.kind in (param.POSITIONAL_OR_KEYWORD,
+                                                                                  param.KEYWORD_ONLY)
+
+
+def _guided(algorithm) -> bool:
+    """Whether an algorithm class has guided samples. Looked up, not imported (the spec must not import the RL
+    code, which imports it): an algorithm that subclasses the capability has loaded its module."""
+    capabilities = sys.modules.get("alignflow.core.rl.capabilities")
+    return inspect.isclass(algorithm) and capabilities is not None and issubclass(algorithm,
+                                                                                capabilities.GuidedSamples)
+
+
 def _rejection_rows(stage, plugins) -> str:
     """prompt_answer; sft for `output: self_play`"""
     return sampled_rows(stage.settings.get("output", "sft"))
@@ -85,8 +118,18 @@ class StageKind:
     thread_safe: bool = False
 
     def dataset_schema(self, stage, plugins=None) -> str | None:
-        """The row schema stage `stage`'s `dataset` holds; `plugins` are needed where `schema_needs_plugins`."""
-        return self.schema(stage, plugins) if callable(self.schema) else self.schema
+        """The row schema stage `stage`'s `dataset` holds; `plugins` are needed where `needs_plugins(stage)`.
+        A stage that plays episodes needs `answer` only where it reads it (`episode_rows`)."""
+        schema = self.schema(stage, plugins) if callable(self.schema) else self.schema
+        return episode_rows(stage, plugins) if schema == "prompt_answer" and self.plays_episodes(stage) else schema
+
+    def plays_episodes(self, stage) -> bool:
+        """Whether `stage` samples multi-turn episodes: its kind takes an environment and it names one."""
+        return "environment" in self.plugins and getattr(stage, "environment", None) is not None
+
+    def needs_plugins(self, stage) -> bool:
+        """Whether `stage`'s row schema is known only once its plugins load (its algorithm's, or its rewards')."""
+        return self.schema_needs_plugins or self.plays_episodes(stage)
 
     def required_inputs(self) -> list[str]:
         return sorted(self.required)
@@ -173,6 +216,8 @@ def kinds_markdown() -> str:
         plugins = ", ".join(p + ("" if p != "rewards" or not r.needs_rewards else " (1+)") for p in sorted(r.plugins))
         # a schema that depends on the stage is described by its function's docstring
         schema = r.schema.__doc__ if callable(r.schema) else r.schema or "any JSON objects"
+        if "environment" in r.plugins:
+            schema += "; with an environment: prompt, and answer where a reward or the algorithm reads it"
         rows.append(f"| `{r.name}` | {inputs} | {plugins} | `{r.settings.__name__}` | {schema} | "
                     f"{', '.join(sorted(r.outputs))} | {'yes' if r.data_parallel else 'no'} |")
     return "\n".join(rows)

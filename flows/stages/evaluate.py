@@ -15,8 +15,8 @@ from alignflow.core.train.datasets import read_rows
 from alignflow.core.errors import SpecError
 from alignflow.core.train.dist import rank_and_world
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, held_episodes,
-                                           loaded_sampler, reward_set)
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, dataset_schema, generate_and_score,
+                                           held_episodes, loaded_sampler, reward_set)
 
 
 def grouped_accuracy(scored: Scored, column: str) -> dict[str, float]:
@@ -63,16 +63,29 @@ def grouped_selection(scored: Scored, column: str, best_of: list[str]) -> dict[s
 
 
 def write_samples(scored: Scored, path) -> None:
-    """One JSON line per completion: prompt, completion, each reward's value, correct."""
+    """One JSON line per completion: prompt, completion, each reward's value, correct. An episode's prompt is
+    what the model read first, the messages its environment started it with (`reset`), not the row's prompt:
+    their contents as `prompt`, the messages themselves as `first_messages`."""
+    conversations = (scored.generation.episodes or {}).get("messages")
     with open(path, "w", encoding="utf-8") as f:
         for j, i in enumerate(scored.generation.prompt_index):
             row = {"prompt": scored.rows[i]["prompt"], "completion": scored.generation.texts[j],
                    "rewards": {k: v[j] for k, v in scored.rewards.values.items()}, "correct": scored.correct[j]}
+            if conversations is not None:
+                first = first_messages(conversations[j])
+                row.update(prompt="\n\n".join(m["content"] for m in first), first_messages=first)
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def first_messages(conversation: list[dict]) -> list[dict]:
+    """The messages of an episode's conversation before the model's first turn."""
+    end = next((k for k, m in enumerate(conversation) if m.get("role") == "assistant"), len(conversation))
+    return [dict(m) for m in conversation[:end]]
+
+
 def run_evaluate(ctx: StageContext) -> StageResult:
-    """Score `model` on `dataset` (prompt + answer rows); the samples are the stage's dataset output."""
+    """Score `model` on `dataset` (prompt + answer rows; with an environment, `answer` where read); the samples
+    are the stage's dataset output."""
     s = ctx.settings
     rewards = reward_set(ctx)
     names = [r.name for r in rewards.rewards]  # a reward listed twice is NAME_i, i its place in the list
@@ -80,7 +93,7 @@ def run_evaluate(ctx: StageContext) -> StageResult:
         if name not in names:
             raise SpecError(f"stage {ctx.name!r}, settings.best_of: {name!r} is not one of the stage's "
                             f"rewards ({', '.join(names)})")
-    rows = read_rows(ctx.inputs["dataset"], "prompt_answer")[: s.limit]
+    rows = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))[: s.limit]
     with loaded_sampler(ctx) as (sampler, tokenizer), held_episodes(ctx) as episodes:
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, rewards, shard=True,
                                     episodes=episodes)

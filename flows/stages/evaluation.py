@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alignflow.core.train.datasets import read_rows
 from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.scoring import accuracy_metrics, episodes_of, generate_and_score, reward_set
+from alignflow.flows.stages.scoring import accuracy_metrics, episodes_of, eval_schema, generate_and_score, reward_set
 from alignflow.flows.stages.training import plugin
 
 
@@ -20,7 +20,7 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", s
     if "eval_dataset" not in ctx.inputs or not (ctx.spec.rewards or ctx.spec.environment):
         return {}
     s = ctx.settings
-    rows = read_rows(ctx.inputs["eval_dataset"], "prompt_answer")[: s.eval_limit]
+    rows = read_rows(ctx.inputs["eval_dataset"], eval_schema(ctx))[: s.eval_limit]
     own = sampler is None
     if own:
         sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")

@@ -23,10 +23,9 @@ import json
 from alignflow.core.errors import SpecError
 from alignflow.core.train.datasets import read_rows
 from alignflow.core.train.dist import rank_and_world
-from alignflow.core.spec.settings import sampled_rows
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, generate_and_score, held_episodes,
-                                           loaded_sampler, reward_set)
+from alignflow.flows.stages.scoring import (Scored, accuracy_metrics, dataset_schema, generate_and_score,
+                                           held_episodes, loaded_sampler, reward_set)
 from alignflow.flows.stages.select import write_jsonl
 
 
@@ -93,7 +92,7 @@ def run_rejection_sampling(ctx: StageContext) -> StageResult:
     if ctx.spec.environment is not None and s.output != "sft":
         raise SpecError(f"stage {ctx.name!r}, settings.output: {s.output!r} writes single-turn pairs; with an "
                         "environment only `sft` (each prompt's best episode as a conversation) is supported")
-    rows = read_rows(ctx.inputs["dataset"], sampled_rows(s.output))
+    rows = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))
     with loaded_sampler(ctx) as (sampler, tokenizer), held_episodes(ctx) as episodes:
         scored = generate_and_score(sampler, tokenizer, rows, s.n, s.generation, ctx.seed, reward_set(ctx),
                                     shard=True, episodes=episodes)

@@ -1,7 +1,8 @@
 """Generate completions for dataset prompts and score them: shared by the sampling stages and rl.
 
 A completion is *correct* when the first reward listed scores at least 1 (exact for 0/1 verifiers,
-all tests passed for `code_exec`): accuracy and pass@k count those.
+all tests passed for `code_exec`): accuracy and pass@k count those. An episode whose environment said whether
+it was won (`Step.success`) is correct when it was, whatever its (shaped) reward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.metrics import mean_pass_at_k
+from alignflow.core.spec.kinds import episode_rows, stage_kind
 from alignflow.core.progress import progress
 from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.environments.episodes import Episodes, episode_metrics
@@ -48,6 +50,17 @@ class Scored:
         """`correct`, with False on the samples of a driven episode before its last (one count per episode)."""
         final = (self.generation.episodes or {}).get("final")
         return self.correct if final is None else [ok and f for ok, f in zip(self.correct, final)]
+
+
+def dataset_schema(ctx) -> str | None:
+    """The row schema of the stage's `dataset` (core/spec/kinds.py); with an environment, `answer` only where a
+    reward or the algorithm reads it."""
+    return stage_kind(ctx.spec.kind).dataset_schema(ctx.spec, ctx.plugins)
+
+
+def eval_schema(ctx) -> str:
+    """The row schema of a training stage's `eval_dataset`: prompts and answers, or an `rl` stage's episode rows."""
+    return "prompt_answer" if ctx.spec.environment is None else episode_rows(ctx.spec, ctx.plugins)
 
 
 def reward_set(ctx) -> RewardSet:
@@ -199,10 +212,12 @@ def generate_and_score(sampler, tokenizer, rows: list[dict], n: int, gen, seed: 
 
 def judge(rewards: RewardSet, prompts: list[str], texts: list[str],
           columns: dict) -> tuple[RewardOutput, list[bool]]:
-    """Every reward's values, and which completions the first reward calls correct."""
+    """Every reward's values, and which completions are correct: an episode's `success` where its environment
+    said it, else whether the first reward scored at least 1."""
     out = rewards(prompts, texts, **columns)
     first = out.values[rewards.rewards[0].name]
-    return out, [v is not None and v >= CORRECT_AT for v in first]
+    said = columns.get("episode_success") or [None] * len(first)
+    return out, [v is not None and v >= CORRECT_AT if ok is None else ok for v, ok in zip(first, said)]
 
 
 def accuracy_metrics(scored: Scored, ks: list[int] = (1,)) -> dict[str, float]:

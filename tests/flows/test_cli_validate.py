@@ -84,6 +84,14 @@ def test_plugins_json_lists_every_builtin_with_exact_keys(alignflow):
     assert ("sampler", "hf") in names
 
 
+def test_plugins_kind_lists_that_kind_alone(alignflow):
+    rows = json.loads(alignflow("plugins", "--kind", "environment", "--json").stdout)
+    assert {r["kind"] for r in rows} == {"environment"}
+    assert {"math_tools", "openai_agent", "openenv", "textarena"} <= {r["name"] for r in rows}
+    table = alignflow("plugins", "--kind", "environment").stdout
+    assert "math_tools" in table and "grpo" not in table and "math_accuracy" not in table
+
+
 def test_plugins_show_gives_each_config_field_with_type_default_and_description(alignflow):
     out = alignflow("plugins", "show", "grpo", "--json")
     assert out.returncode == 0, out.stderr

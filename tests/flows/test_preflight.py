@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from alignflow.core import hookimpl
+from alignflow.core.environments import Environment
 from alignflow.core.errors import SpecError
 from alignflow.flows.preflight import check_pipeline
+from helpers.plugins import registered
 
 ALIGNFLOW = str(Path(sys.executable).parent / "alignflow")
 
@@ -183,3 +186,42 @@ def test_a_run_reads_and_checks_its_spec_once(project, monkeypatch):
     assert spec.stages["rl"].validated_settings().group_size == 8  # settings kept as validated
     assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is not spec  # the next run
     assert len(reads) == 2
+
+
+EPISODES = """
+name: episodes
+stages:
+  rl:
+    kind: rl
+    inputs: {model: ./base, dataset: prompts.jsonl}
+    algorithm: grpo
+    environment: {name: guessing}
+    rewards: [format]
+  test:
+    kind: evaluate
+    inputs: {model: "stage:rl", dataset: prompts.jsonl}
+    environment: {name: guessing, max_turns: 3}
+"""
+
+
+class Guessing:
+    """A game whose `reset` needs no answer: the default one, the row's prompt."""
+
+    @staticmethod
+    @hookimpl
+    def register_environments(register):
+        register("guessing", Environment)
+
+
+def test_a_stage_with_an_environment_needs_answer_only_where_it_is_read(project):
+    """Rows of prompts alone serve episodes; a listed reward that takes `answer`, or an algorithm that shows it
+    (guided samples), still needs it, and its absence is reported with the other problems."""
+    prompts = project / "prompts.jsonl"
+    prompts.write_text('{"prompt": "guess", "level": 2}\n')
+    (project / "p.yaml").write_text(EPISODES)
+    with registered(Guessing, "guessing") as plugins:
+        check_pipeline(project / "p.yaml", [], project, plugins)  # no answer, and nothing reads one
+        for stage, sets in (("test", ["test.rewards=[math_accuracy]"]), ("rl", ["rl.algorithm=expo"])):
+            with pytest.raises(SpecError, match=rf"(?s)1 problem .*stage '{stage}', inputs.dataset: {prompts}:1: "
+                                                "field 'answer': missing"):
+                check_pipeline(project / "p.yaml", sets, project, plugins)

@@ -21,6 +21,6 @@ class Guess(Environment):
     def step(self, turn: Turn) -> Step:
         guess = int(turn.text.strip()) if turn.text.strip().isdigit() else None
         if guess == self.secret:
-            return Step(reward=1.0, done=True)
+            return Step(reward=1.0, done=True, success=True)  # won: correct, whatever the wrong guesses cost
         hint = "not a number" if guess is None else ("higher" if guess < self.secret else "lower")
         return Step(observation=hint, reward=-0.1)

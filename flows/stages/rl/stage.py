@@ -42,7 +42,7 @@ from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teach
                                              overlap_choice, process_reward, rl_steps)
 from alignflow.flows.stages.rl.state import checkpoint_state, resume
 from alignflow.flows.stages.rl.update import critic_values, prepare, rollout_stats, update
-from alignflow.flows.stages.scoring import episodes_of, reward_set
+from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
 from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
     save_pretrained
 
@@ -79,7 +79,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     check_ranks(ctx)
     overlap, why = overlap_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
     log.info("stage %r: overlapped rollouts %s (%s)", ctx.name, "on" if overlap else "off", why)
-    dataset = read_rows(ctx.inputs["dataset"], "prompt_answer")
+    dataset = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
@@ -153,7 +153,8 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
             engine.maybe_save(checkpoint_state(step, p.algo, p.replay, p.prompts))
     detach_parameters(engine.module)
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
-    final = {k: metrics[k] for k in ("reward/total/mean", "accuracy") if k in metrics}
+    # the last step's episode records too: `run --metrics` and the manifest hold what the plots' CSVs end with
+    final = {k: v for k, v in metrics.items() if k in ("reward/total/mean", "accuracy") or k.startswith("episode/")}
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
     headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)

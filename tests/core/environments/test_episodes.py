@@ -62,7 +62,7 @@ def test_a_tool_call_then_an_answer():
     starts, history, observation = (g.episodes.pop(k) for k in ("turn_starts", "turn_history", "turn_observation"))
     assert [t["function"]["name"] for t in g.tools] == ["calculator"]  # once for the batch, not per episode
     assert g.episodes == {"reward": [1.0] * 4, "turns": [2] * 4, "tool_calls": [1] * 4, "tool_errors": [0] * 4,
-                          "ended": ["done"] * 4}
+                          "ended": ["done"] * 4, "success": [None] * 4}  # math_tools leaves success to its reward
     # the conversation as played, tool results as the tool returned them (an sft row of it learns both turns)
     assert messages[0] == [{"role": "user", "content": "7*8="},
                            {"role": "assistant", "content": "<call>calculator 7*8</call>"},

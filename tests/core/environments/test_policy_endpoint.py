@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from alignflow.core.environments import Environment, Step
+from alignflow.core.environments import Environment, EpisodeError, Step
+from alignflow.core.environments.contract import Limits
 from alignflow.core.environments.agents import AgentEnvironment
 from alignflow.core.environments.episodes import Episodes, episode_metrics
 from alignflow.core.spec.settings import GenerationSettings
@@ -219,6 +220,30 @@ def test_a_hanging_harness_times_out_and_the_others_go_on(tiny):
     assert time.perf_counter() - start < 60
     assert g.episodes["ended"] == ["done", "timeout"]
     assert episode_metrics(g.episodes)["episode/ended_timeout"] == 0.5
+
+
+class Judged(AgentEnvironment):
+    """Calls no model: a won episode with a shaped reward, one ended at its own cap, or a harness that fails."""
+
+    async def rollout(self, row, seed, policy):
+        assert self.limits == Limits(max_turns=3, max_tokens=400)  # the stage's, as in-process episodes get them
+        if row["prompt"] == "fail":
+            raise ValueError("the harness broke")
+        if row["prompt"] == "won":
+            return {"reward": 0.7, "success": True}
+        return Step(reward=0.2, info={"ended": "max_turns"})
+
+
+def test_a_rollout_says_success_and_its_ending_and_a_batch_of_failures_stops():
+    _, tok = policy()
+    gen = GenerationSettings(max_new_tokens=8)
+    rows = [{"prompt": "won"}, {"prompt": "capped"}, {"prompt": "fail"}]
+    g = episodes(Judged).generate(Scripted(tok, []), tok, rows, 1, gen, seed=0)
+    assert g.episodes["ended"] == ["done", "max_turns", "error"] and g.episodes["success"] == [True, None, None]
+    assert g.episodes["reward"] == [0.7, 0.2, 0.0]
+    with pytest.raises(EpisodeError, match=r"^environment 'environment' failed on every episode of a batch of 2; "
+                                           r"the first: rollout raised ValueError: the harness broke$"):
+        episodes(Judged).generate(Scripted(tok, []), tok, rows[2:], 2, gen, seed=0)
 
 
 class Scripted(HFSampler):

@@ -53,6 +53,30 @@ def test_tag_calls_map_a_bare_argument_to_the_first_required_parameter():
         ("", {}, "malformed tool call: no tool name")]
 
 
+def add(x: int, y: int = 1) -> int:
+    """Add y to x."""
+    return x + y
+
+
+def flags(on: bool) -> str:
+    """Echo a flag."""
+    return f"{on!r}"
+
+
+def test_a_tag_forms_bare_argument_takes_its_parameters_json_type():
+    tools = {"add": tool_schema(add), "flags": tool_schema(flags)}
+    calls = FORMATS["tag"].parse("<call>add 2</call><call>add -7</call><call>add two</call><call>add 2.5</call>"
+                                 "<call>flags True</call><call>flags yes</call>", tools)
+    assert [(c.arguments, c.error) for c in calls] == [
+        ({"x": 2}, None), ({"x": -7}, None),
+        ({}, "malformed tool call: add takes x as JSON type integer, got 'two'"),
+        ({}, "malformed tool call: add takes x as JSON type integer, got '2.5'"),
+        ({"on": True}, None), ({}, "malformed tool call: flags takes on as JSON type boolean, got 'yes'")]
+    messages, errors = call_tools([add, flags], calls)
+    assert [m["content"] for m in messages[:2]] + [messages[4]["content"]] == ["3", "-6", "True"]  # "2" + 1 raised
+    assert errors == 3 and messages[2]["content"].startswith("error: malformed tool call: add takes x")
+
+
 def test_format_auto_follows_the_chat_template():
     tok = build_char_tokenizer()
     assert tool_format("auto", tok).name == "tag"

@@ -34,11 +34,19 @@ class Echo(Environment):
         return Step(f"\n[{turn.index}]\n", reward=score / 2 + (self.bonus if turn.index == 0 else 0.0))
 
 
+class Gym(Environment):
+    """Answers as gymnasium's `step` does, with a tuple: every episode fails."""
+
+    def step(self, turn):
+        return None, 1.0, True, {}
+
+
 class TestEnvironments:
     @staticmethod
     @hookimpl
     def register_environments(register):
         register("echo", Echo)
+        register("gym", Gym)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +89,9 @@ def test_rl_trains_on_episodes_and_reports_them(tmp_path, plugins, tiny):
     assert step["episode/tool_calls"] == 0.0
     assert sum(step[f"episode/ended_{e}"] for e in ("done", "max_turns", "max_tokens", "turn_tokens", "error")) == 1.0
     assert step["reward/echo/mean"] == step["reward/total/mean"] > 0
+    last = log[-2][1]  # the final metrics (`run --metrics`, the manifest) keep the last step's episode records
+    assert {k: v for k, v in result.metrics.items() if k.startswith("episode/")} == {
+        k: v for k, v in last.items() if k.startswith("episode/")} and "episode/turns" in result.metrics
     before, after = load_model(tiny).state_dict(), load_model(result.outputs["model"]).state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
@@ -177,6 +188,22 @@ def test_evaluate_scores_episodes_with_the_environment_first(tmp_path, plugins, 
             "episode/tool_errors", "episode/ended_done"} <= set(m)
     samples = [json.loads(line) for line in result.outputs["dataset"].read_text().splitlines()]
     assert len(samples) == 8 and all(set(s["rewards"]) == {"math_tools", "math_accuracy"} for s in samples)
+
+
+def test_an_environment_failing_every_episode_stops_the_stage_as_a_failing_reward_does(tmp_path, plugins, tiny):
+    from alignflow.core.environments import EpisodeError
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1*1="}\n{"prompt": "2*2="}\n')  # no answer: nothing here reads one
+    spec = StageSpec(kind="evaluate", inputs={"model": str(tiny), "dataset": str(data)},
+                     environment={"name": "gym", "max_turns": 2}, sampler="hf")
+    settings = EvaluateSettings(n=1, generation={"max_new_tokens": 6})
+    (tmp_path / "work").mkdir()
+    ctx = StageContext("eval", spec, settings, {"model": tiny, "dataset": data}, tmp_path / "work",
+                       tmp_path / "checkpoints", 0, lambda m, s: None, plugins)
+    with pytest.raises(EpisodeError, match=r"environment 'gym' failed on every episode of a batch of 2; the first: "
+                                           r"environment 'gym', turn 0: step returned tuple; expected a Step"):
+        run_evaluate(ctx)
 
 
 def test_rejection_sampling_keeps_each_prompts_best_episode_as_a_conversation(tmp_path, plugins, tiny):
