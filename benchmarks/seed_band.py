@@ -44,6 +44,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pipeline", required=True)
     p.add_argument("--metric", action="append", required=True)
+    p.add_argument("--code", help="the commit (or range) the runs ran on, where it is not the one checked out now")
     p.add_argument("runs", nargs="+", help="ARTIFACTS_ROOT:SEED")
     args = p.parse_args()
     seeds = {}
@@ -57,7 +58,7 @@ def main() -> None:
                     for metric in args.metric if all(metric in st.get(name, {}).get("metrics", {})
                                                      for st in seeds.values())}
              for name in names}
-    record = {"pipeline": args.pipeline, "commit": git_commit(),
+    record = {"pipeline": args.pipeline, "commit": args.code or git_commit(),
               "command": f"alignflow run {args.pipeline} --set seed=SEED", "bands": bands, "seeds": seeds}
     print(json.dumps(record, indent=1, sort_keys=True))
 
