@@ -37,14 +37,11 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-class Transcript:
-    """One episode's ids after its prompt; `mask` is 1 on the model's tokens, `logprobs` 0 on the others."""
+class Tokens:
+    """Prompt ids, then the ids after it; `mask` is 1 on the model's tokens, `logprobs` 0 on the others."""
 
-    def __init__(self, tokenizer, messages: list[Message], tools: list[dict] | None = None):
-        self.tokenizer, self.tools = tokenizer, tools
-        self.messages = list(messages)
-        self.rendered = render(tokenizer, self.messages, tools, True)  # the text the ids so far stand for
-        self.prompt_ids = encode(tokenizer, self.rendered)
+    def __init__(self, prompt_ids: list[int]):
+        self.prompt_ids = prompt_ids
         self.ids: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] = []
@@ -54,11 +51,25 @@ class Transcript:
         """What the model reads before its next turn."""
         return self.prompt_ids + self.ids
 
+    def add_ids(self, ids: list[int], logprobs: list[float] | None = None, model: bool = False) -> None:
+        """Sampled ids (`model`, with their log-probs) or context ids (no loss)."""
+        self.ids += ids
+        self.mask += [int(model)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+class Transcript(Tokens):
+    """One episode's ids after its prompt, and the messages they stand for."""
+
+    def __init__(self, tokenizer, messages: list[Message], tools: list[dict] | None = None):
+        self.tokenizer, self.tools = tokenizer, tools
+        self.messages = list(messages)
+        self.rendered = render(tokenizer, self.messages, tools, True)  # the text the ids so far stand for
+        super().__init__(encode(tokenizer, self.rendered))
+
     def add_turn(self, ids: list[int], logprobs: list[float] | None, text: str) -> None:
         """A model turn, as sampled (its stop token included)."""
-        self.ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.add_ids(ids, logprobs, model=True)
         self.messages.append({"role": "assistant", "content": text})
 
     def reply_ids(self, reply: list[Message]) -> list[int]:
@@ -81,9 +92,7 @@ class Transcript:
 
     def add_reply(self, reply: list[Message], ids: list[int]) -> None:
         """Append the reply `reply_ids` gave: context for the model, no loss."""
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
+        self.add_ids(ids)
         self.messages += list(reply)
         self.rendered = render(self.tokenizer, self.messages, self.tools, True)
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from alignflow.core.environments.chat import TemplateError, Transcript, encode
+from alignflow.core.environments.chat import TemplateError, Tokens, Transcript, encode
 from alignflow.core.environments.tools import Message, ToolFormat
 
 
@@ -27,25 +27,16 @@ class Refused(Exception):
         self.why = why
 
 
-class TextTranscript:
+class TextTranscript(Tokens):
     """A `/v1/completions` sample: the prompt's text and ids, then sampled ids and the client's added text."""
 
     def __init__(self, tokenizer, prompt: str | list[int]):
         self.tokenizer = tokenizer
-        self.prompt_ids = list(prompt) if isinstance(prompt, list) else encode(tokenizer, prompt)
         self.text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-
-    @property
-    def context(self) -> list[int]:
-        return self.prompt_ids + self.ids
+        super().__init__(list(prompt) if isinstance(prompt, list) else encode(tokenizer, prompt))
 
     def add_turn(self, ids: list[int], logprobs: list[float] | None, text: str) -> None:
-        self.ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.add_ids(ids, logprobs, model=True)
         self.text += text
 
     def extend(self, prompt: str | list[int]) -> bool:
@@ -58,9 +49,7 @@ class TextTranscript:
             if not prompt.startswith(self.text):
                 return False
             added, self.text = encode(self.tokenizer, prompt[len(self.text):]), prompt
-        self.ids += added
-        self.mask += [0] * len(added)
-        self.logprobs += [0.0] * len(added)
+        self.add_ids(added)
         return True
 
 
