@@ -25,6 +25,9 @@ class Generation:
     loss_mask: list[list[int]] | None = None
     episodes: dict[str, list] | None = None
     tools: list[dict] | None = None
+    # The policy version (updates published) that sampled each token, where a generation switched weights
+    # mid-way (asynchronous rollouts' `partial`); None: every token of a row by the weights it started on.
+    versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -51,7 +54,7 @@ class Generation:
                    [c for _, g in parts for c in g.completion_ids], [t for _, g in parts for t in g.texts],
                    [t for _, g in parts for t in g.truncated], logprobs, timings,
                    joined("prompt_ids"), joined("loss_mask"), episodes,
-                   next((g.tools for _, g in parts if g.tools is not None), None))
+                   next((g.tools for _, g in parts if g.tools is not None), None), joined("versions"))
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

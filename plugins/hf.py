@@ -52,6 +52,10 @@ class HFSampler(Sampler):
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
 
     online = True
+    # Set by an asynchronous rollout worker (`async_weights: partial`): between decode steps, `due()` says newer
+    # weights are published; the rows still running then stop, `refresh()` loads the weights, and they continue
+    # from their tokens so far on them. Each token's version is then in `Generation.versions`.
+    preempt = None
 
     def set_precision(self, precision: str) -> None:
         """`dtype: auto` decodes in bf16 where the trainer computes in bf16 (so in a rollout worker too)."""
@@ -85,19 +89,35 @@ class HFSampler(Sampler):
         generator = torch.Generator(self.model.device).manual_seed(seed)
         completions, truncated, logprobs = [], [], []
         step = max(1, self.rows_per_call(prompt_ids, gen) // n)  # prompts per call
-        packed = self.packed()
+        if self.preempt is not None and self.preempt.due():  # a new call (an episode's next turn): newest weights
+            self.preempt.refresh()
+        packed, versions = self.packed(), []
         try:
             for lo in range(0, len(prompt_ids), step):
-                c, t, lp = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed)
-                completions += c
-                truncated += t
-                logprobs += lp
+                c, t, lp, cut = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed)
+                v = [[self.preempt.version] * len(x) for x in c] if self.preempt is not None else []
+                while cut:  # rows stopped for newer weights: on with them, from their tokens so far
+                    packed, cut = self.resumed(prompt_ids[lo: lo + step], n, gen, generator, (c, t, lp, v), cut)
+                completions, truncated, logprobs, versions = completions + c, truncated + t, logprobs + lp, versions + v
         finally:
             self.model.train(was_training)
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         return Generation(index, completions, texts, truncated,
                           logprobs if self.config.return_logprobs else None,
-                          {"generate_s": time.perf_counter() - start})
+                          {"generate_s": time.perf_counter() - start}, versions=versions or None)
+
+    def resumed(self, prompts, n, gen, generator, out, cut: list[int]):
+        """Load the newest weights and go on decoding the `cut` rows of `out` (completions, truncated,
+        log-probs, versions: extended in place) from prompt + their tokens so far. Returns the decoder of the new
+        weights and the rows stopped again."""
+        c, t, lp, v = out
+        version, packed = self.preempt.refresh(), self.packed()
+        rest = gen.model_copy(update={"max_new_tokens": gen.max_new_tokens - len(c[cut[0]])})
+        more = self.decode([prompts[r // n] + c[r] for r in cut], 1, rest, generator, packed)
+        for j, r in enumerate(cut):
+            c[r], t[r], lp[r] = c[r] + more[0][j], more[1][j], lp[r] + more[2][j]
+            v[r] = v[r] + [version] * len(more[0][j])
+        return packed, [cut[j] for j in more[3]]
 
     def packed(self) -> PackedDecoder | None:
         """The policy's current weights rebuilt for decoding, or None where transformers' forward runs."""
@@ -116,7 +136,9 @@ class HFSampler(Sampler):
 
     def decode(self, prompts: list[list[int]], n: int, gen: GenerationSettings, generator: torch.Generator,
                packed: PackedDecoder | None = None):
-        """Prefill the left-padded prompts, then one forward per new token for the rows still running."""
+        """Prefill the left-padded prompts, then one forward per new token for the rows still running: each row's
+        tokens (cut at its stop token), whether it hit max_new_tokens, its log-probs, and the rows a `preempt`
+        stopped for newer weights (all at the same length)."""
         device = self.model.device
         rows = prompts if packed is not None else [ids for ids in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id)
@@ -132,6 +154,7 @@ class HFSampler(Sampler):
             forward, keep = packed.step, packed.keep
         else:
             logits, forward, keep = self.transformers_loop(ids, mask)
+        preempted: list[int] = []
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)
             tokens[here, t], chosen_lp[here, t] = token, lp  # a stopped row's later tokens: cut by cut_at_stop
@@ -139,13 +162,17 @@ class HFSampler(Sampler):
             alive = int(running.sum())
             if alive == 0 or t == T - 1:
                 break
+            if self.preempt is not None and self.preempt.due():
+                preempted = sorted(here[running].tolist())
+                tokens = tokens[:, : t + 1]
+                break
             if alive <= len(here) * (1 - COMPACT_AT) and len(rows_left := compacted(running, alive)) < len(here):
                 keep(rows_left)
                 here, running, token = here[rows_left], running[rows_left], token[rows_left]
             logits = forward(token)
         completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
         rows_lp = chosen_lp.tolist()  # one conversion, then list slices (a tensor slice per row cost ~3 us each)
-        return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)]
+        return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)], preempted
 
     def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
         """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""

@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # fixtures' processes too, which start before any function-scoped fixture runs
 AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.core.train.precision.AUTO_ENV
 os.environ[AUTO_PRECISION_ENV] = "fp32"
-# and `overlap_rollouts: auto` stays off (see `auto_overlap_is_off`)
+# and `async_rollouts: auto` stays off (see `auto_overlap_is_off`)
 AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # alignflow.flows.stages.rl.setup.AUTO_OVERLAP_ENV
 os.environ[AUTO_OVERLAP_ENV] = "false"
 
@@ -90,7 +90,7 @@ def auto_precision_is_fp32(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def auto_overlap_is_off(request, monkeypatch):
-    """`overlap_rollouts: auto` (the rl stage's default) stays off: with the tests' one torch thread on a machine
+    """`async_rollouts: auto` (the rl stage's default) stays off: with the tests' one torch thread on a machine
     of two or more cores it would overlap every rl test's rollouts, one step off-policy, and the tests that
     compare exact numbers assume the synchronous stage. ALIGNFLOW_AUTO_OVERLAP=false is inherited by child
     processes; a test marked `overlap_auto` gets the real choice."""

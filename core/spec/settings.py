@@ -5,7 +5,7 @@ from __future__ import annotations
 import string
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from alignflow.core.contracts import PluginConfig
 
@@ -197,12 +197,27 @@ class RLSettings(PolicySettings):
     # into as few rows as hold them, instead of padding every row to the longest: same log-probs, less
     # compute. Models whose attention cannot separate packed sequences fall back to padding.
     pack_sequences: bool = True
-    # Generate the next step's first round in a worker process (with `overlap_threads` torch threads)
-    # while this step scores and trains: one-step off-policy, pi_old is the generating weights' log-probs.
-    # auto: on where the worker gets cores of its own beside the stage's torch threads (on a CPU, one process,
-    # an in-process sampler such as `hf`, ZeRO 0-2); the manifest records what ran.
-    overlap_rollouts: bool | Literal["auto"] = "auto"
-    overlap_threads: int = Field(1, ge=1)
+    # Asynchronous rollouts: a worker process (`async_threads` torch threads) generates the first round of the
+    # next `max_staleness` steps while this one scores and trains, so no step's rollout was generated more than
+    # `max_staleness` updates before the update that uses it (docs: Asynchronous RL). 0: synchronous. auto: on
+    # where the worker gets cores of its own beside the stage's torch threads (on a CPU, one process, an
+    # in-process sampler such as `hf`, ZeRO 0-2); the manifest records what ran. `overlap_rollouts` and
+    # `overlap_threads` are the same settings' earlier names.
+    async_rollouts: bool | Literal["auto"] = Field("auto", validation_alias=AliasChoices("async_rollouts",
+                                                                                          "overlap_rollouts"))
+    async_threads: int = Field(1, ge=1, validation_alias=AliasChoices("async_threads", "overlap_threads"))
+    max_staleness: int = Field(1, ge=0)  # k: updates between a rollout's weights and the update using it, at most
+    # Which weights the worker generates a step's round on. pinned: those of the update k before it (exactly k
+    # stale; runs are reproducible bit for bit). latest: the newest when the round starts (at most k; depends on
+    # timing). partial: the newest, and a generation in flight when the trainer publishes new weights stops and
+    # continues on them (partial rollouts), every token keeping the version that sampled it.
+    async_weights: Literal["pinned", "latest", "partial"] = "pinned"
+    # The decoupled PPO objective (Hilton et al. 2022; AReaL, Fu et al. 2025): the ratio is taken against a
+    # proximal policy, pi_old recomputed on the weights before the update, and each token's policy term is
+    # weighted by pi_old / mu (mu: the behaviour policy that sampled the token, its sampler log-prob). `tis_cap`
+    # caps that weight and `icepop` zeroes it outside a band; both imply the decoupled objective.
+    decoupled: bool = False
+
     # How each step's prompts are drawn. "epochs": a seeded permutation per pass over the data, every prompt
     # once per pass. "prioritized": with probability proportional to 1 - s_i, s_i the success rate of prompt i
     # so far in the stage (Kimi k1.5, arXiv 2501.12599, section 2.3.4): prompts always solved are drawn rarely.

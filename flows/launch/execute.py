@@ -110,8 +110,8 @@ def call_runner(kind: str, ctx: StageContext, started: list[float], options: Run
         return RUNNERS[kind](ctx)
     n = options.parallel_stages
     ranks = data_parallel_ranks(kind, options)
-    if n > 1 and getattr(ctx.settings, "overlap_rollouts", None) == "auto":  # the cores are the other stages'
-        ctx = replace(ctx, settings=ctx.settings.model_copy(update={"overlap_rollouts": False}))
+    if n > 1 and getattr(ctx.settings, "async_rollouts", None) == "auto":  # the cores are the other stages'
+        ctx = replace(ctx, settings=ctx.settings.model_copy(update={"async_rollouts": False}))
     with _slot(n).held((order, ctx.name)):
         if ranks > 1:
             if not can_run_in_child(ctx.plugins):

@@ -265,5 +265,5 @@ def test_overlapped_rollouts_prefetch_the_prompts_the_step_draws(tmp_path, plugi
     """The worker generates step k+1's fresh prompts while step k trains: the prioritised draw for k+1 must
     already count step k's completions, or the step regenerates instead (staleness 0)."""
     log = []
-    run_rl(make_ctx(tmp_path, plugins, tiny, data, log, overlap_rollouts=True))
+    run_rl(make_ctx(tmp_path, plugins, tiny, data, log, async_rollouts=True))
     assert [m["rollout/staleness"] for _, m in log[:-1]] == [0.0, 1.0, 1.0]

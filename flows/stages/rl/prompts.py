@@ -26,6 +26,7 @@ class PromptDraw:
 
     def __init__(self, n_rows: int, per_step: int, seed: int, mode: str = "epochs", state: dict | None = None):
         self.n_rows, self.per_step, self.seed, self.mode = n_rows, per_step, seed, mode
+        self.held: dict[tuple[int, int], list[int]] = {}  # rounds drawn ahead of their step (`rows(keep=True)`)
         self.hits = torch.zeros(n_rows, dtype=torch.float64)  # correct completions per prompt
         self.trials = torch.zeros(n_rows, dtype=torch.float64)  # completions per prompt
         if state is not None:  # a resumed run: the table of the checkpoint's step
@@ -39,12 +40,18 @@ class PromptDraw:
         """[n_rows] unnormalised draw probabilities of the prioritised draw: 1 - s_i."""
         return (1 - self.success()).clamp(min=0) + SOLVED_WEIGHT
 
-    def rows(self, step: int, round_: int) -> list[int]:
-        """The `per_step` dataset rows of `step`'s generation round `round_`."""
+    def rows(self, step: int, round_: int, keep: bool = False) -> list[int]:
+        """The `per_step` dataset rows of `step`'s generation round `round_`. A round drawn with `keep` (by the
+        asynchronous rollouts, k steps ahead) is the one the step's own call gets, on the table of then."""
         if self.mode == "epochs":
             return round_prompts(step, round_, self.n_rows, self.per_step, self.seed)
+        if (step, round_) in self.held:
+            return self.held.pop((step, round_))
         generator = seeds.generator(seeds.priority(self.seed, step, round_))
-        return torch.multinomial(self.weights(), self.per_step, replacement=False, generator=generator).tolist()
+        rows = torch.multinomial(self.weights(), self.per_step, replacement=False, generator=generator).tolist()
+        if keep:
+            self.held[(step, round_)] = rows
+        return rows
 
     def record(self, rows: list[int], correct: list[bool]) -> None:
         """Count freshly generated completions (`rows[j]`: the dataset row of completion j)."""

@@ -104,12 +104,14 @@ def round_prompts(step: int, round_: int, n_rows: int, k: int, seed: int) -> lis
     return step_rows(step, n_rows, k, seeds.round_rows(seed, round_))
 
 
-def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None) -> tuple[list[int], list[int], int]:
+def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None,
+                keep: bool = False) -> tuple[list[int], list[int], int]:
     """A round's dataset rows (`draw.rows`, a `PromptDraw`, else seeded epochs of `prompts_per_step`), the
-    positions of this rank's share of them, and its sampling seed (a function of step, round and rank)."""
+    positions of this rank's share of them, and its sampling seed (a function of step, round and rank). `keep`:
+    the draw holds these rows for the step's own call (a round asked of the rollout worker ahead of its step)."""
     rank, world = rank_and_world()
     if draw is not None:
-        index = draw.rows(step, round_)
+        index = draw.rows(step, round_, keep)
     else:
         index = round_prompts(step, round_, len(dataset), ctx.settings.prompts_per_step, ctx.seed)
     return index, list(range(rank, len(index), world)), seeds.rollout(ctx.seed, step, round_, rank)

@@ -86,26 +86,32 @@ def engines(ctx: StageContext, model, critic, total: int, updates: int):
     return engine, critic
 
 
-AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # "false": `overlap_rollouts: auto` stays off (the test suite pins it)
+AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # "false": `async_rollouts: auto` stays off (the test suite pins it)
 
 
-def overlap_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
-    """Whether the stage overlaps its rollouts, and why. The worker holds a copy of the policy module: it needs
-    whole weights and a sampler that generates on a module (one with an engine of its own, as `vllm`, already
-    runs apart); `true` where it cannot is an error. `auto` overlaps only where it can pay: the algorithm
-    corrects for the lag with its ratio to pi_old (the sampler's log-probs, not recomputed), one process on a
-    CPU (on a GPU the worker would share the device), and `overlap_threads` cores beyond the stage's torch
-    threads (a worker on the trainer's cores slows it as much as it saves)."""
+def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
+    """Whether the stage's rollouts run asynchronously, and why. The worker holds a copy of the policy module: it
+    needs whole weights and a sampler that generates on a module (one with an engine of its own, as `vllm`,
+    already runs apart); `true` where it cannot is an error. `max_staleness: 0` is the synchronous stage. `auto`
+    turns it on only where it can pay: the algorithm corrects for the lag with its ratio to pi_old (the sampler's
+    log-probs, not recomputed), one process on a CPU (on a GPU the worker would share the device), and
+    `async_threads` cores beyond the stage's torch threads (a worker on the trainer's cores slows it as much as
+    it saves)."""
     s, name = ctx.settings, ctx.spec.sampler.name
-    where = f"stage {ctx.name!r}, settings.overlap_rollouts"
+    where = f"stage {ctx.name!r}, settings.async_rollouts"
     cannot = ("ZeRO-3 shards the weights the rollout worker needs whole: use zero_stage 0-2"
               if s.zero_stage == 3 else
-              f"sampler {name!r} runs an engine of its own; overlapped rollouts are for samplers that generate "
+              f"sampler {name!r} runs an engine of its own; asynchronous rollouts are for samplers that generate "
               "on the policy module (`hf`)" if sampler_cls.loads_checkpoint else None)
-    if s.overlap_rollouts is True and cannot:
+    if s.async_rollouts is True and cannot:
         raise SpecError(f"{where}: {cannot}")
-    if s.overlap_rollouts != "auto":
-        return s.overlap_rollouts, "set"
+    if s.async_weights == "partial" and not hasattr(sampler_cls, "preempt"):
+        raise SpecError(f"stage {ctx.name!r}, settings.async_weights: partial rollouts need a sampler that can switch "
+                        f"weights mid-generation (`hf`); sampler {name!r} cannot: use pinned or latest")
+    if s.max_staleness == 0:
+        return False, "max_staleness 0: synchronous"
+    if s.async_rollouts != "auto":
+        return s.async_rollouts, "set"
     if os.environ.get(AUTO_OVERLAP_ENV, "").lower() in ("0", "false", "off"):
         return False, f"auto: {AUTO_OVERLAP_ENV}"
     cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
@@ -114,10 +120,10 @@ def overlap_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
            or (not algo.needs_old_logprobs and f"algorithm {ctx.spec.algorithm.name!r} takes no ratio to pi_old")
            or (s.recompute_old_logprobs and "recompute_old_logprobs: pi_old would not be the generating weights")
            or (world > 1 and f"{world} processes") or (torch.cuda.is_available() and "a GPU")
-           or (cores - threads < s.overlap_threads and f"no spare core: {threads} torch threads on {cores} cores"))
+           or (cores - threads < s.async_threads and f"no spare core: {threads} torch threads on {cores} cores"))
     if why:
         return False, f"auto: {why}"
-    return True, f"auto: {cores - threads} of {cores} cores spare, the worker takes {s.overlap_threads}"
+    return True, f"auto: {cores - threads} of {cores} cores spare, the worker takes {s.async_threads}"
 
 
 def process_reward(ctx: StageContext, rewards: RewardSet):

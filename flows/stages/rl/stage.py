@@ -33,15 +33,15 @@ from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.rl.costs import check_costs, cost_label, reward_components, turn_anchor
 from alignflow.flows.stages.rl.guided import rescore_guided, with_guided
-from alignflow.flows.stages.rl.overlap import Overlapped, overlap_next
+from alignflow.flows.stages.rl.asynchronous import AsyncRollouts, async_next, start_async
 from alignflow.flows.stages.rl.params import attach_parameters, detach_parameters
 from alignflow.flows.stages.rl.prompts import PromptDraw
 from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, restore, with_replayed
 from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, completion_budget, rollout_metrics, to_batch
 from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teacher, minibatches_per_rollout,
-                                             overlap_choice, process_reward, rl_steps)
+                                             async_choice, process_reward, rl_steps)
 from alignflow.flows.stages.rl.state import checkpoint_state, resume
-from alignflow.flows.stages.rl.update import critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.rl.update import Correction, critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
 from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
     save_pretrained
@@ -77,8 +77,8 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
     check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
-    overlap, why = overlap_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
-    log.info("stage %r: overlapped rollouts %s (%s)", ctx.name, "on" if overlap else "off", why)
+    asynchronous, why = async_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    log.info("stage %r: asynchronous rollouts %s (%s)", ctx.name, "on" if asynchronous else "off", why)
     dataset = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
     with model_source(ctx) as src:
@@ -95,8 +95,9 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
     sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
-    if overlap:
-        sampler = Overlapped(sampler, engine.module, tokenizer, s.overlap_threads)
+    if asynchronous:
+        sampler = AsyncRollouts(sampler, engine.module, tokenizer, s.async_threads, s.max_staleness,
+                                s.async_weights)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
     replay, prompts = resume(ctx, algo, engine.data_state or {}, len(dataset))  # a resumed run goes on as it was
@@ -139,8 +140,10 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     s = ctx.settings
     engine, critic, updates = p.engine, p.critic, s.ppo_epochs * p.n_minibatches
     metrics: dict[str, float] = {}
-    with progress(ctx.name, total=total, initial=engine.step_count // updates) as bar:
-        for step in range(engine.step_count // updates, total):
+    first = engine.step_count // updates
+    start_async(ctx, p, first, total)
+    with progress(ctx.name, total=total, initial=first) as bar:
+        for step in range(first, total):
             metrics = rl_step(ctx, p, step)
             if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
                 metrics.update(evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
@@ -158,9 +161,16 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
     final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
     ctx.log_metrics(final, total)
     headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
-    overlapped = {"overlap_rollouts": isinstance(p.sampler, Overlapped), "overlap_setting": s.overlap_rollouts}
     return StageResult(outputs={"model": out}, metrics=final, headline=headline,
-                       fingerprint={**engine.fingerprint(), **overlapped})
+                       fingerprint={**engine.fingerprint(), **async_fingerprint(s, p.sampler)})
+
+
+def async_fingerprint(s, sampler) -> dict:
+    """What ran: asynchronous rollouts or not, the setting, and whether the weights depend on timing (`latest`
+    and `partial` weights: `reproduce` then compares the stage within its tolerance, not bit for bit)."""
+    on = isinstance(sampler, AsyncRollouts)
+    return {"async_rollouts": on, "async_setting": s.async_rollouts, "max_staleness": s.max_staleness if on else 0,
+            "timing_dependent": on and s.async_weights != "pinned"}
 
 
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
@@ -172,8 +182,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     metrics.update(rollout_metrics(fresh, drawn))
     metrics.update(replay_metrics(step, picked, fresh))
     kept = with_replayed(fresh, picked)  # fresh rows first, then the replayed groups
-    last = step + 1 >= rl_steps(len(p.dataset), s)
-    metrics["rollout/staleness"] = overlap_next(ctx, p, step, last)  # the next round generates while this trains
+    metrics.update(async_next(ctx, p, step, rl_steps(len(p.dataset), s)))  # step + k generates while this trains
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
         for _ in range(p.n_minibatches * s.ppo_epochs):
@@ -217,7 +226,7 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
     logprobs = partial(policy_logprobs, temperature=temperature(s), packed=s.pack_sequences)
     fill = {}
     p.sampler.release()  # a GPU engine frees its memory while the trainer steps
-    corrects = s.tis_cap is not None or s.icepop is not None  # pi_old / mu needs the trainer's pi_old
+    corrects = Correction.of(s) is not None  # pi_old / mu needs the trainer's pi_old
     if s.recompute_old_logprobs or corrects or (kept.logprobs is None and p.algo.needs_old_logprobs):
         fill["old_logprobs"] = logprobs(p.engine.model)
     if p.reference is not None:

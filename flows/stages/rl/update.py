@@ -7,7 +7,7 @@ widened back (zeros) to the rollout's width, where the response mask hides them.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -22,6 +22,21 @@ from alignflow.core.rl.parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estim
 from alignflow.flows.stages.rl.distribution import distribution_step
 from alignflow.flows.stages.rl.rollout import Batch
 from alignflow.flows.stages.rl.shard import Shard
+
+
+@dataclass(frozen=True)
+class Correction:
+    """Each token's policy term weighted by k = pi_old / mu, pi_old recomputed on the weights before the update
+    (the proximal policy) and mu the sampler's (behaviour) probability: k itself (`decoupled`), min(k, tis_cap),
+    or k inside the `icepop` band and 0 outside."""
+
+    tis_cap: float | None = None
+    icepop: tuple[float, float] | None = None
+
+    @classmethod
+    def of(cls, s) -> "Correction | None":
+        """The stage settings' correction, None where the sampler's log-probs are pi_old as they are."""
+        return cls(s.tis_cap, s.icepop) if s.decoupled or s.tis_cap is not None or s.icepop is not None else None
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:
@@ -92,7 +107,7 @@ def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tens
             micro, weight = trained(micro, minibatch, inert, s.micro_batch_size)
             step_loss = 0.0
             for rows in shard.mine(micro):
-                metrics, ent = forward(rows, norm=norm, weight=weight, tis_cap=s.tis_cap, icepop=s.icepop,
+                metrics, ent = forward(rows, norm=norm, weight=weight, correction=Correction.of(s),
                                        measure=epoch == 0 and index == 0)
                 if epoch == 0:
                     entropy += ent
@@ -124,20 +139,19 @@ def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: 
 
 
 def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-               norm, temperature: float, weight: float = 1.0, tis_cap: float | None = None,
-               icepop: tuple[float, float] | None = None, measure: bool = False,
-               packed: bool = False, teacher=None) -> tuple[dict[str, Tensor], Tensor]:
+               norm, temperature: float, weight: float = 1.0, correction: Correction | None = None,
+               measure: bool = False, packed: bool = False, teacher=None) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
-    token count) of the rows. `tis_cap` or `icepop` weight each token's policy term (`mismatch_weights`), not a
+    token count) of the rows. A `correction` weights each token's policy term (`mismatch_weights`), not a
     KL-to-reference term (`sampler_corrected`). `measure` (the first minibatch, before any update)
     adds the gap between the sampler's log-probs and the trainer's on the sampled tokens. With a `teacher`, the
     loss is the algorithm's `distribution_loss` on both models' logits (`distribution_step`)."""
     r, width = batch.rollout, batch.rollout.response_mask.shape[1]
     ids, attention, mask = batch.view(rows)
     weights, counted = None, {}
-    if r.sampler_logprobs is not None and (tis_cap is not None or icepop is not None):
+    if r.sampler_logprobs is not None and correction is not None:
         weights, counted = mismatch_weights(r.old_logprobs[rows], r.sampler_logprobs[rows], r.response_mask[rows],
-                                            tis_cap, icepop)
+                                            correction.tis_cap, correction.icepop)
     if teacher is not None:
         with engine.autocast():  # the loss on the logits too: it upcasts them (core/rl/divergence.py)
             per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
@@ -166,9 +180,12 @@ def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Ten
 def mismatch_weights(old_logprobs: Tensor, sampled: Tensor, mask: Tensor, tis_cap: float | None = None,
                      icepop: tuple[float, float] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token weights (detached) that correct for the sampler: k = pi_old / mu, mu the sampler's probability
-    of the token and pi_old the trainer's. Truncated importance sampling (Yao et al. 2025): min(k, tis_cap).
-    IcePop: k inside [alpha, beta] (bounds included), 0 outside. With the fraction of tokens capped or dropped."""
+    of the token and pi_old the trainer's. Decoupled PPO (neither set): k. Truncated importance sampling (Yao et
+    al. 2025): min(k, tis_cap). IcePop: k inside [alpha, beta] (bounds included), 0 outside. With the fraction of
+    tokens capped or dropped (decoupled: the mean weight)."""
     k = torch.exp((old_logprobs - sampled).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+    if tis_cap is None and icepop is None:
+        return k, {"rollout/behaviour_weight_mean": masked_mean(k, mask)}
     if icepop is not None:
         out = (k < icepop[0]) | (k > icepop[1])
         return k.masked_fill(out, 0.0), {"rollout/icepop_masked_frac": masked_mean(out.float(), mask)}

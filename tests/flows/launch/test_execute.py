@@ -78,7 +78,7 @@ def test_stages_side_by_side_keep_auto_overlap_off(monkeypatch, tmp_path, parall
     from alignflow.flows.stages import StageContext
 
     seen = []
-    monkeypatch.setitem(execute.RUNNERS, "rl", lambda ctx: seen.append(ctx.settings.overlap_rollouts))
+    monkeypatch.setitem(execute.RUNNERS, "rl", lambda ctx: seen.append(ctx.settings.async_rollouts))
     spec = StageSpec(kind="rl", inputs={"model": "m", "dataset": "d.jsonl"}, algorithm="grpo")
     ctx = StageContext("rl", spec, RLSettings(), {}, tmp_path / "work", tmp_path / "checkpoints", 0,
                        lambda m, s: None, get_plugins())

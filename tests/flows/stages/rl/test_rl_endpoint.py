@@ -39,7 +39,7 @@ def environment(tmp_path):
 def test_rl_trains_through_the_endpoint(tmp_path, plugins, tiny, overlap):  # noqa: F811
     log = []
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", rows(tmp_path / "rl.jsonl"), log, rewards=(),
-                   environment=environment(tmp_path), generation={"max_new_tokens": 6}, overlap_rollouts=overlap,
+                   environment=environment(tmp_path), generation={"max_new_tokens": 6}, async_rollouts=overlap,
                    prompts_per_step=4, group_size=2)
     result = run_rl(ctx)
     steps = [m for _, m in log[:-1] if "episode/turns" in m]  # the last entry: the stage's final metrics

@@ -165,7 +165,7 @@ def test_overlapped_episodes_with_fixed_weights_are_the_synchronous_ones(tmp_pat
         for overlap in (False, True):
             log = []
             run_rl(rl_ctx(tmp_path / str(overlap), plugins, tiny, data, log, ECHO, max_steps=3, lr=0.0,
-                          overlap_rollouts=overlap))
+                          async_rollouts=overlap))
             runs[overlap] = [m for _, m in log[:-1]]
     finally:
         torch.set_num_threads(before)

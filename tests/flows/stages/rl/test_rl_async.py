@@ -1,4 +1,4 @@
-"""Overlapped rollouts: the next step's first round generates in a worker process on the previous weights."""
+"""Asynchronous rollouts: a worker process generates step s + k's first round while step s trains."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.train.models import load_model, load_tokenizer
 from alignflow.core.spec.settings import GenerationSettings
 from alignflow.flows.stages.rl.stage import run_rl
-from alignflow.flows.stages.rl.overlap import Overlapped
+from alignflow.flows.stages.rl.asynchronous import AsyncRollouts
 from alignflow.plugins.hf import HFSampler
 from tests.flows.stages.rl.test_rl_stage import ASCII, make_ctx, plugins, tiny, write_rows  # noqa: F401 - fixtures
 
@@ -35,7 +35,7 @@ def run(tmp_path, plugins, tiny, **settings):
 def test_with_fixed_weights_the_overlapped_rollouts_are_the_synchronous_ones(tmp_path, plugins, tiny, one_thread):
     """lr 0: the worker's rounds (on staged weights, same seeds) are exactly what the stage would generate."""
     _, sync = run(tmp_path / "sync", plugins, tiny, lr=0.0)
-    _, overlapped = run(tmp_path / "overlap", plugins, tiny, lr=0.0, overlap_rollouts=True)
+    _, overlapped = run(tmp_path / "overlap", plugins, tiny, lr=0.0, async_rollouts=True)
     assert [m["rollout/staleness"] for m in overlapped] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [m["rollout/staleness"] for m in sync] == [0.0] * 5
     for key in ("reward/total/mean", "response_length/mean", "accuracy"):
@@ -49,7 +49,7 @@ def test_overlapped_rollouts_are_one_step_off_policy_and_still_learn(tmp_path, p
     steps: Adam's first steps move a weight whose gradient is near 0 by a whole lr either way, so float rounding
     alone (log-probs by log-softmax, not logsumexp: 1e-7 apart) moved the gain after 6 steps from 0.23 to 0.07,
     after 10 from 0.45 to 0.32."""
-    result, log = run(tmp_path, plugins, tiny, lr=1e-2, overlap_rollouts=True, max_steps=10,
+    result, log = run(tmp_path, plugins, tiny, lr=1e-2, async_rollouts=True, max_steps=10,
                       generation={"max_new_tokens": 1})
     assert [m["rollout/staleness"] for m in log] == [0.0] + [1.0] * 9
     assert log[0]["rollout/logprob_abs_diff"] < 1e-5  # generated on the very weights that train on it
@@ -69,10 +69,10 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tiny):
     model, tok = load_model(tiny), load_tokenizer(tiny)
     inner = HFSampler()
     inner.load(model, tok)
-    sampler = Overlapped(inner, model, tok)
+    sampler = AsyncRollouts(inner, model, tok)
     try:
         gen = GenerationSettings(max_new_tokens=2)
-        sampler.prefetch([tok.encode("1+1=")], 2, gen, 0)
+        sampler.submit([tok.encode("1+1=")], 2, gen, 0)
         sampler.process.kill()
         sampler.process.join()
         with pytest.raises(AlignflowError, match="worker process died"):
@@ -89,7 +89,7 @@ def test_overlap_refuses_what_it_cannot_copy(tmp_path, plugins, tiny, settings, 
     from alignflow.core import SpecError
 
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
-    ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, overlap_rollouts=True, **settings)
+    ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, async_rollouts=True, **settings)
     with pytest.raises(SpecError, match=message):
         run_rl(ctx)
 
@@ -98,14 +98,14 @@ def test_overlap_refuses_what_it_cannot_copy(tmp_path, plugins, tiny, settings, 
 @pytest.mark.parametrize("settings, sampler, env, threads, on, why", [
     ({}, "hf", {}, 1, True, "auto: 1 of 2 cores spare, the worker takes 1"),
     ({}, "hf", {}, 2, False, "auto: no spare core: 2 torch threads on 2 cores"),
-    ({"overlap_threads": 2}, "hf", {}, 1, False, "auto: no spare core: 1 torch threads on 2 cores"),
+    ({"async_threads": 2}, "hf", {}, 1, False, "auto: no spare core: 1 torch threads on 2 cores"),
     ({"zero_stage": 3}, "hf", {}, 1, False, "auto: ZeRO-3 shards"),
     ({}, "vllm", {}, 1, False, "auto: sampler 'vllm' runs an engine of its own"),
     ({"recompute_old_logprobs": True}, "hf", {}, 1, False, "auto: recompute_old_logprobs"),
     ({}, "hf", {"WORLD_SIZE": "2"}, 1, False, "auto: 2 processes"),
     ({}, "hf", {"ALIGNFLOW_AUTO_OVERLAP": "false"}, 1, False, "auto: ALIGNFLOW_AUTO_OVERLAP"),
-    ({"overlap_rollouts": False}, "hf", {}, 1, False, "set"),
-    ({"overlap_rollouts": True}, "hf", {}, 2, True, "set"),
+    ({"async_rollouts": False}, "hf", {}, 1, False, "set"),
+    ({"async_rollouts": True}, "hf", {}, 2, True, "set"),
 ])
 def test_auto_overlaps_only_where_the_worker_gets_a_core_of_its_own(tmp_path, plugins, tiny, monkeypatch, settings,
                                                                     sampler, env, threads, on, why):
@@ -113,7 +113,7 @@ def test_auto_overlaps_only_where_the_worker_gets_a_core_of_its_own(tmp_path, pl
     worker beside it would take the trainer's core), and what cannot overlap (ZeRO-3, an engine of its own,
     pi_old recomputed, several ranks) stays synchronous."""
     from alignflow.core.rl.algorithm import RLAlgorithm
-    from alignflow.flows.stages.rl.setup import overlap_choice
+    from alignflow.flows.stages.rl.setup import async_choice
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -123,11 +123,11 @@ def test_auto_overlaps_only_where_the_worker_gets_a_core_of_its_own(tmp_path, pl
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, **settings)
     algo = plugins.algorithms.get("grpo")()
-    got, reason = overlap_choice(ctx, algo, plugins.samplers.get(sampler))
+    got, reason = async_choice(ctx, algo, plugins.samplers.get(sampler))
     assert got is on and reason.startswith(why)
     monkeypatch.setattr(RLAlgorithm, "needs_old_logprobs", False)
-    if settings.get("overlap_rollouts") is None and on:  # an algorithm without a ratio to pi_old: no lag allowed
-        assert overlap_choice(ctx, algo, plugins.samplers.get(sampler)) == (
+    if settings.get("async_rollouts") is None and on:  # an algorithm without a ratio to pi_old: no lag allowed
+        assert async_choice(ctx, algo, plugins.samplers.get(sampler)) == (
             False, "auto: algorithm 'grpo' takes no ratio to pi_old")
 
 
@@ -138,4 +138,6 @@ def test_the_default_overlaps_where_a_core_is_spare_and_the_manifest_says_so(tmp
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     result, log = run(tmp_path, plugins, tiny, max_steps=3)
     assert [m["rollout/staleness"] for m in log] == [0.0, 1.0, 1.0]
-    assert (result.fingerprint["overlap_rollouts"], result.fingerprint["overlap_setting"]) == (True, "auto")
+    assert {k: result.fingerprint[k] for k in ("async_rollouts", "async_setting", "max_staleness",
+                                               "timing_dependent")} == {
+        "async_rollouts": True, "async_setting": "auto", "max_staleness": 1, "timing_dependent": False}
