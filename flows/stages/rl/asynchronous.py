@@ -20,6 +20,7 @@ them (or, with `decoupled`, against a recomputed proximal pi_old, weighting each
 from __future__ import annotations
 
 import copy
+import os
 import queue
 import time
 import traceback
@@ -104,8 +105,8 @@ def _worker(sampler_cls, config, template, staging, tokenizer, threads, mode, re
     model = template.eval()
     sampler = sampler_cls(config)
     sampler.load(model, tokenizer)
-    version, idle_from = 0, time.perf_counter()
-    while (item := requests.get()) is not None:
+    version, idle_from, parent = 0, time.perf_counter(), os.getppid()
+    while (item := _next(requests, parent)) is not None:
         want, request = item
         idle = time.perf_counter() - idle_from
         version = staging.load(model, want, version)
@@ -121,6 +122,17 @@ def _worker(sampler_cls, config, template, staging, tokenizer, threads, mode, re
         if mode == "partial":
             version = sampler.preempt.version
         idle_from = time.perf_counter()
+
+
+def _next(requests, parent: int):
+    """The next request; None once the stage's process is gone (one killed sends no None, and the worker must not
+    outlive it)."""
+    while True:
+        try:
+            return requests.get(timeout=1)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 def bare_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -174,7 +186,9 @@ class AsyncRollouts(Sampler):
     def _answer(self, request: Request, tokenizer=None):
         """The worker's answer if `request` is the oldest one it was given, else generated here."""
         if not self.pending or request != self.pending[0]:
-            return request.run(self.inner, tokenizer)
+            g = request.run(self.inner, tokenizer)
+            self.count(g, self.version)
+            return g
         start = time.perf_counter()
         request, version, g, error, idle = self._get()
         if request != self.pending.pop(0):
@@ -183,11 +197,14 @@ class AsyncRollouts(Sampler):
             raise AlignflowError(f"asynchronous rollouts: the worker failed:\n{error}")
         g.timings["generate_s"] = wait = time.perf_counter() - start
         self.waited, self.idle = self.waited + wait, self.idle + idle
-        versions = g.versions or [[version] * len(c) for c in g.completion_ids]
-        for row in versions:  # a sample's staleness: that of its oldest token
+        self.count(g, version)
+        return g
+
+    def count(self, g, version: int) -> None:
+        """Each sample's staleness (that of its oldest token) and each token's, `version` where `g` has none."""
+        for row in g.versions or [[version] * len(c) for c in g.completion_ids]:
             self.lags[self.version - min(row, default=version)] += 1
             self.tokens.update(self.version - v for v in row)
-        return g
 
     def take_metrics(self) -> dict[str, float]:
         """Since the last call: the most and the mean updates between a sample's weights and these, the share

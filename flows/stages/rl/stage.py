@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -40,7 +40,7 @@ from alignflow.flows.stages.rl.replay import ReplayBuffer, replay_metrics, resto
 from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, completion_budget, rollout_metrics, to_batch
 from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teacher, minibatches_per_rollout,
                                              async_choice, process_reward, rl_steps)
-from alignflow.flows.stages.rl.state import checkpoint_state, resume
+from alignflow.flows.stages.rl.state import checkpoint_state, consumed_entry, resume
 from alignflow.flows.stages.rl.update import Correction, critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
 from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
@@ -69,6 +69,7 @@ class Parts:
     replay: ReplayBuffer | None = None  # groups of earlier steps, for algorithms that replay them
     prompts: PromptDraw | None = None  # which rows each step generates for, and their success rates
     episodes: Episodes | None = None  # multi-turn episodes on the stage's environment
+    consumed: list[dict] = field(default_factory=list)  # the fresh groups each update used (rl/state.py)
 
 
 def build(ctx: StageContext) -> tuple[Parts, int]:
@@ -100,9 +101,9 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
                                 s.async_weights)
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
-    replay, prompts = resume(ctx, algo, engine.data_state or {}, len(dataset))  # a resumed run goes on as it was
+    replay, prompts, consumed = resume(ctx, algo, engine.data_state or {}, len(dataset))  # goes on as it was
     return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
-                 process, teacher, replay=replay, prompts=prompts, episodes=episodes_of(ctx)), total
+                 process, teacher, replay=replay, prompts=prompts, episodes=episodes_of(ctx), consumed=consumed), total
 
 
 def check_ranks(ctx: StageContext) -> None:
@@ -146,19 +147,19 @@ def train_and_evaluate(ctx: StageContext, p: Parts, total: int) -> StageResult:
         for step in range(first, total):
             metrics = rl_step(ctx, p, step)
             if s.eval_every and (step + 1) % s.eval_every == 0 and step + 1 < total:
-                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
+                metrics.update(evaluate_model(ctx, engine.module, p.tokenizer, sampler=own_sampler(p)))
             bar.update(tokens=int(metrics["perf/tokens"]), reward=metrics["reward/total/mean"],
                        accuracy=metrics["accuracy"])
             if (step + 1) % s.log_every == 0 or step + 1 == total:
                 ctx.log_metrics(metrics, step + 1)
             if critic is not None:  # first, so the policy's newest checkpoint always has its critic
                 critic.maybe_save({"step": step + 1})
-            engine.maybe_save(checkpoint_state(step, p.algo, p.replay, p.prompts))
+            engine.maybe_save(checkpoint_state(step, p.algo, p.replay, p.prompts, p.consumed))
     detach_parameters(engine.module)
     out = save_pretrained(engine, p.tokenizer, ctx.work_dir / "model")
     # the last step's episode records too: `run --metrics` and the manifest hold what the plots' CSVs end with
     final = {k: v for k, v in metrics.items() if k in ("reward/total/mean", "accuracy") or k.startswith("episode/")}
-    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=p.sampler))
+    final.update(steps=float(total), **evaluate_model(ctx, engine.module, p.tokenizer, sampler=own_sampler(p)))
     ctx.log_metrics(final, total)
     headline = next((k for k in ("eval/accuracy", "accuracy", "reward/total/mean") if k in final), None)
     return StageResult(outputs={"model": out}, metrics=final, headline=headline,
@@ -173,6 +174,11 @@ def async_fingerprint(s, sampler) -> dict:
             "timing_dependent": on and s.async_weights != "pinned"}
 
 
+def own_sampler(p: Parts):
+    """The sampler of the stage's own process: evaluations generate there, outside the rollouts' staleness counts."""
+    return p.sampler.inner if isinstance(p.sampler, AsyncRollouts) else p.sampler
+
+
 def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     """Generate, score, filter, prepare, compute advantages, update; returns the step's metrics."""
     s = ctx.settings
@@ -183,6 +189,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     metrics.update(replay_metrics(step, picked, fresh))
     kept = with_replayed(fresh, picked)  # fresh rows first, then the replayed groups
     metrics.update(async_next(ctx, p, step, rl_steps(len(p.dataset), s)))  # step + k generates while this trains
+    p.consumed.append(consumed_entry(step, fresh, metrics["rollout/staleness"]))
     prepared = time.perf_counter()
     if not len(kept):  # every group filtered in every round: nothing to learn, the schedule advances
         for _ in range(p.n_minibatches * s.ppo_epochs):

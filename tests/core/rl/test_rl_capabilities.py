@@ -118,7 +118,7 @@ def test_legacy_overrides_drive_every_capabilitys_stage_code():
         ctx = SimpleNamespace(settings=RLSettings(prompts_per_step=4), seed=0, name="rl")
         resume(ctx, algo, {"algorithm": {"lambda": 2.0}}, n_rows=8)
         assert Legacy.loaded == {"lambda": 2.0}
-        assert checkpoint_state(0, algo, buffer, resume(ctx, GRPO(), {}, 8)[1])["algorithm"] == {"lambda": 0.5}
+        assert checkpoint_state(0, algo, buffer, resume(ctx, GRPO(), {}, 8)[1], [])["algorithm"] == {"lambda": 0.5}
         model = torch.nn.Linear(1, 1)
         attach_parameters(SimpleNamespace(settings=SimpleNamespace(zero_stage=0)), model, algo)
         assert list(getattr(model, EXTRA)) == [algo.lam]

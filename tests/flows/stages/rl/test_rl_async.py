@@ -32,14 +32,47 @@ def run(tmp_path, plugins, tiny, **settings):
 
 
 @pytest.mark.system
-def test_with_fixed_weights_the_overlapped_rollouts_are_the_synchronous_ones(tmp_path, plugins, tiny, one_thread):
-    """lr 0: the worker's rounds (on staged weights, same seeds) are exactly what the stage would generate."""
+@pytest.mark.parametrize("k, weights, staleness", [
+    (1, "pinned", [0.0, 1.0, 1.0, 1.0, 1.0]),  # the one-step-off rollouts of before
+    (2, "pinned", [0.0, 1.0, 2.0, 2.0, 2.0]),  # exactly k from step k on (step s < k: the stage's first weights)
+    (3, "latest", None),  # the newest weights when the worker starts: at most k, by timing
+])
+def test_with_fixed_weights_the_asynchronous_rollouts_are_the_synchronous_ones(tmp_path, plugins, tiny, one_thread,
+                                                                             k, weights, staleness):
+    """lr 0: the worker's rounds (on published weights, same seeds) are exactly what the stage would generate,
+    k steps ahead, and each step counts how stale its samples were."""
     _, sync = run(tmp_path / "sync", plugins, tiny, lr=0.0)
-    _, overlapped = run(tmp_path / "overlap", plugins, tiny, lr=0.0, async_rollouts=True)
-    assert [m["rollout/staleness"] for m in overlapped] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    _, ahead = run(tmp_path / "async", plugins, tiny, lr=0.0, async_rollouts=True, max_staleness=k,
+                   async_weights=weights)
+    got = [m["rollout/staleness"] for m in ahead]
+    assert got == staleness if staleness else (got[0] == 0.0 and all(0 <= x <= k for x in got))
     assert [m["rollout/staleness"] for m in sync] == [0.0] * 5
+    for m in ahead:  # the shares of samples (and of tokens) at each staleness sum to 1; waits are measured
+        shares = [v for key, v in m.items() if key.startswith("rollout/staleness_share/")]
+        assert sum(shares) == pytest.approx(1.0) and m["time/rollout_wait"] >= 0.0
+        assert sum(v for key, v in m.items() if key.startswith("rollout/token_share/")) == pytest.approx(1.0)
     for key in ("reward/total/mean", "response_length/mean", "accuracy"):
-        assert [m[key] for m in overlapped] == [m[key] for m in sync], key
+        assert [m[key] for m in ahead] == [m[key] for m in sync], key
+
+
+@pytest.mark.system
+def test_max_staleness_0_is_the_synchronous_stage_and_pinned_runs_repeat_bit_for_bit(tmp_path, plugins, tiny,
+                                                                                     one_thread):
+    """k = 0 starts no worker: the weights are the synchronous stage's, bit for bit. k = 2 with pinned weights
+    learns from 2-step-old samples yet repeats itself exactly: which weights generate which round is fixed by the
+    step, not by timing, and the manifest says so."""
+    learning = dict(lr=1e-2, generation={"max_new_tokens": 2})
+    sync, _ = run(tmp_path / "sync", plugins, tiny, **learning)
+    zero, log = run(tmp_path / "zero", plugins, tiny, async_rollouts=True, max_staleness=0, **learning)
+    assert zero.fingerprint["async_rollouts"] is False and all(m["rollout/staleness"] == 0.0 for m in log)
+    same = lambda a, b: all(torch.equal(a[key], b[key]) for key in a)  # noqa: E731
+    state = lambda result: load_model(result.outputs["model"]).state_dict()  # noqa: E731
+    assert same(state(sync), state(zero))
+    first, log = run(tmp_path / "k2a", plugins, tiny, async_rollouts=True, max_staleness=2, **learning)
+    second, _ = run(tmp_path / "k2b", plugins, tiny, async_rollouts=True, max_staleness=2, **learning)
+    assert [m["rollout/staleness"] for m in log] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert same(state(first), state(second)) and not same(state(first), state(sync))
+    assert (first.fingerprint["max_staleness"], first.fingerprint["timing_dependent"]) == (2, False)
 
 
 @pytest.mark.system
