@@ -207,3 +207,54 @@ def test_one_decode_loop_per_token_budget(policy, monkeypatch):
     assert loops() == [4]
     assert loops(max_batch_tokens=10 * 8) == [2, 2]  # width 6 + 4 = 10 tokens a row: 8 rows, 2 prompts of 4
     assert loops(batch_size=5) == [1, 1, 1, 1]
+
+
+class SwitchAt:
+    """Newer weights `new` once `after` checks have passed: what a rollout worker's `Preempt` does under
+    `async_weights: partial` (the check at the start of `generate` counts as one, then one per decode step)."""
+
+    def __init__(self, model, new, after):
+        self.model, self.new, self.after, self.checks, self.version = model, new, after, 0, 0
+
+    def due(self):
+        self.checks += 1
+        return self.version == 0 and self.checks > self.after
+
+    def refresh(self):
+        self.model.load_state_dict(self.new)
+        self.version = 1
+        return 1
+
+
+@ENGINES
+def test_a_preempted_generation_goes_on_from_its_tokens_on_the_new_weights(policy, engine):
+    """Partial rollouts: the rows still running when new weights arrive keep the tokens (and log-probs) the old
+    weights sampled, and continue on the new ones: their later log-probs are the new model's, teacher-forced on
+    the same tokens, and each token's version says which weights sampled it."""
+    import copy
+
+    model, tok = copy.deepcopy(policy[0]), policy[1]
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    new = {k: v + 0.05 * torch.randn_like(v) for k, v in old.items()}
+    gen = GenerationSettings(max_new_tokens=8, temperature=1.0)
+    prompts = [tok.encode("1+2="), tok.encode("30+4=")]
+    s = HFSampler(HFSampler.Config(engine=engine))
+    s.load(model, tok)
+    plain = s.generate(prompts, 2, gen, seed=3)  # the old weights throughout
+    s.preempt = SwitchAt(model, new, after=4)  # due at the 4th decode step: 4 tokens sampled by version 0
+    g = s.generate(prompts, 2, gen, seed=3)
+    continued = [i for i, c in enumerate(g.completion_ids) if len(c) > 4]
+    assert continued and s.preempt.version == 1
+    for i, (c, v, lp) in enumerate(zip(g.completion_ids, g.versions, g.logprobs)):
+        head = min(len(c), 4)
+        assert v == [0] * head + [1] * (len(c) - head)
+        assert c[:head] == plain.completion_ids[i][:head] and lp[:head] == plain.logprobs[i][:head]
+        assert g.truncated[i] == (len(c) == 8 and c[-1] != tok.eos_token_id)
+    with torch.no_grad():  # the new weights' log-probs of the continued tokens, teacher-forced
+        for i in continued:
+            ids = prompts[i // 2] + g.completion_ids[i]
+            logp = model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+            n = len(prompts[i // 2])
+            want = [logp[n + t - 1, ids[n + t]].item() for t in range(4, len(g.completion_ids[i]))]
+            assert g.logprobs[i][4:] == pytest.approx(want, abs=1e-4)

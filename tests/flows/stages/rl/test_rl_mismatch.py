@@ -112,6 +112,19 @@ def test_icepop_weights_tokens_in_its_band_and_drops_the_rest(tmp_path, shifted,
     assert all(torch.equal(start[k], dropped[k]) for k in start)
 
 
+def test_decoupled_weights_every_token_by_the_behaviour_ratio(tmp_path, shifted, tiny):  # noqa: F811
+    """The decoupled objective: the ratio against the proximal policy (pi_old recomputed: the same weights, so 1)
+    and each token weighted by pi_prox / mu = 4, uncapped: with SGD the step is 4 times the uncorrected one."""
+    start = weights(tiny)
+    plain, _ = run(tmp_path / "plain", shifted, tiny, recompute_old_logprobs=True)
+    decoupled, metrics = run(tmp_path / "decoupled", shifted, tiny, decoupled=True)
+    assert metrics["rollout/behaviour_weight_mean"] == pytest.approx(4.0, rel=1e-4)
+    moved = [k for k in start if not torch.equal(start[k], plain[k])]
+    step = torch.cat([(plain[k] - start[k]).flatten() for k in moved])
+    step_decoupled = torch.cat([(decoupled[k] - start[k]).flatten() for k in moved])
+    torch.testing.assert_close(step_decoupled, 4 * step, rtol=1e-3, atol=1e-6)
+
+
 def test_icepop_and_tis_are_one_choice():
     with pytest.raises(ValueError, match="set one of them"):
         RLSettings(icepop=(0.5, 5.0), tis_cap=2.0)
@@ -130,6 +143,10 @@ CASES = {  # weights w; per-token loss and its gradient: now w S + beta k3, befo
     "icepop": ((5.0, 0.0), dict(icepop=(0.5, 5.0)),
                [5 * -1.2 + 0.1 * K3, 0 * -0.5 + 0.1 * K3], [5 * 0 + 0.05, 0 * -0.5 + 0.05],  # -5.980685, 0.019315
                [5 * (-1.2 + 0.1 * K3), 0.0], [5 * 0.05, 0.0]),  # -5.903426, 0
+    # decoupled PPO (AReaL's behaviour importance weight, no cap): k itself, (5, 10)
+    "decoupled": ((5.0, 10.0), dict(),
+                  [5 * -1.2 + 0.1 * K3, 10 * -0.5 + 0.1 * K3], [5 * 0 + 0.05, 10 * -0.5 + 0.05],  # -5.98, -4.98
+                  [5 * (-1.2 + 0.1 * K3), 10 * (-0.5 + 0.1 * K3)], [5 * 0.05, 10 * (-0.5 + 0.05)]),
     # TIS cap 2: both capped
     "tis": ((2.0, 2.0), dict(tis_cap=2.0),
             [2 * -1.2 + 0.1 * K3, 2 * -0.5 + 0.1 * K3], [2 * 0 + 0.05, 2 * -0.5 + 0.05],  # -2.380685, -0.980685
@@ -152,7 +169,8 @@ def test_the_sampler_correction_weights_the_policy_term_not_the_kl_term(case):
     mask = torch.ones(1, 2, dtype=f64)
     w, counted = mismatch_weights(old, mu, mask, **setting)
     torch.testing.assert_close(w, torch.tensor([weights], dtype=f64))
-    assert [v.item() for v in counted.values()] == [0.5 if case == "icepop" else 1.0]  # dropped / capped share
+    # the share dropped (IcePop) or capped (TIS); decoupled: the mean weight
+    assert [v.item() for v in counted.values()] == [pytest.approx({"icepop": 0.5, "tis": 1.0, "decoupled": 7.5}[case])]
     logprobs = torch.tensor([[0.5, 0.2]], dtype=f64).log().requires_grad_(True)
     batch = PolicyBatch(logprobs=logprobs, old_logprobs=old, advantages=torch.ones(1, 2, dtype=f64),
                         response_mask=mask, group=torch.zeros(1, dtype=torch.long),
