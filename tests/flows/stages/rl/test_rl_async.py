@@ -1,5 +1,9 @@
 """Asynchronous rollouts: a worker process generates step s + k's first round while step s trains."""
 
+import multiprocessing
+import os
+import signal
+
 import pytest
 import torch
 
@@ -9,7 +13,9 @@ from alignflow.core.spec.settings import GenerationSettings
 from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.flows.stages.rl.asynchronous import AsyncRollouts
 from alignflow.plugins.hf import HFSampler
-from tests.flows.stages.rl.test_rl_stage import ASCII, make_ctx, plugins, tiny, write_rows  # noqa: F401 - fixtures
+from tests.flows.stages.rl.test_rl_stage import (ASCII, TestRewards, make_ctx, plugins, tiny,  # noqa: F401 - fixtures
+                                                 write_rows)
+from tests.helpers.plugins import registered
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -174,3 +180,45 @@ def test_the_default_overlaps_where_a_core_is_spare_and_the_manifest_says_so(tmp
     assert {k: result.fingerprint[k] for k in ("async_rollouts", "async_setting", "max_staleness",
                                                "timing_dependent")} == {
         "async_rollouts": True, "async_setting": "auto", "max_staleness": 1, "timing_dependent": False}
+
+
+ASYNC = dict(max_steps=6, prompts_per_step=4, group_size=4, micro_batch_size=16, lr=1e-2, save_every=2,
+             generation={"max_new_tokens": 2}, async_rollouts=True, max_staleness=2)
+
+
+def _killed_at_step_3(root, model, data):  # in a child process: SIGKILL itself once step 3 is logged
+    torch.set_num_threads(1)
+    with registered(TestRewards, "test_rl_stage") as plugins:  # noqa: F811
+        ctx = make_ctx(root, plugins, model, "grpo", data, [], **ASYNC)
+        ctx.log_metrics = lambda metrics, step: step == 3 and os.kill(os.getpid(), signal.SIGKILL)
+        run_rl(ctx)
+
+
+@pytest.mark.system
+def test_a_killed_asynchronous_stage_resumes_with_each_rollout_used_once(tmp_path, plugins, tiny, one_thread):
+    """SIGKILL after step 3's update (its worker then generating steps 4 and 5): the rerun resumes from the step-2
+    checkpoint, and its log of consumed groups holds every step once, with the groups an uninterrupted run used
+    (no rollout used twice, none lost); the killed stage's worker did not outlive it."""
+    data = write_rows(tmp_path / "rl.jsonl", ["x"] * 8)
+    whole = make_ctx(tmp_path / "a", plugins, tiny, "grpo", data, [], **ASYNC)
+    run_rl(whole)
+    killed = multiprocessing.get_context("spawn").Process(target=_killed_at_step_3, args=(tmp_path / "b", tiny, data))
+    killed.start()
+    killed.join(timeout=300)
+    assert killed.exitcode == -signal.SIGKILL
+    log = []
+    ctx = make_ctx(tmp_path / "b", plugins, tiny, "grpo", data, log, **ASYNC)
+    run_rl(ctx)
+    assert log[0][0] == 3  # resumed after step 2's checkpoint (steps 0-1 done), not started over
+    consumed = [last_state(root)["consumed"] for root in (tmp_path / "a", tmp_path / "b")]
+    assert [e["step"] for e in consumed[1]] == list(range(6))
+    assert [e["groups"] for e in consumed[0]] == [e["groups"] for e in consumed[1]]
+    # steps 0-1 from the checkpoint; the resumed run starts its worker anew at step 2
+    assert [e["staleness"] for e in consumed[1]] == [0.0, 1.0, 0.0, 1.0, 2.0, 2.0]
+    assert not [c for c in multiprocessing.active_children() if c.name == "alignflow-rollouts"]
+
+
+def last_state(root):
+    """The rl stage's data state in its last checkpoint (DeepSpeed keeps the client state with the model)."""
+    path = sorted((root / "checkpoints").glob("step-*"))[-1] / "ds" / "mp_rank_00_model_states.pt"
+    return torch.load(path, weights_only=False)["data"]
