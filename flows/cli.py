@@ -237,9 +237,14 @@ def cmd_reproduce(args) -> int:
         console.print("[yellow]the environment differs from the recorded run's[/yellow] (recorded -> now):")
         for key, (recorded, now) in done.environment.items():
             console.print(f"  {key}: {recorded} -> {now}")
+    if done.timed:
+        console.print(f"stages {', '.join(done.timed)} ran asynchronous rollouts on the newest weights, which depend on "
+                      f"timing: their metrics are compared within tolerance {done.tolerance:g}")
     for key, (recorded, now) in sorted(done.mismatches.items()):
         console.print(f"[red]{key}[/red]: recorded {recorded}, reproduced {now}")
-    if done.code == 0:
+    if done.code == 0 and done.timed:
+        console.print(f"[green]final metrics match within tolerance {done.tolerance:g}[/green]")
+    elif done.code == 0:
         console.print("[green]final metrics match exactly[/green]")
     elif done.code == 3:
         console.print(f"[green]final metrics match within tolerance {done.tolerance:g}[/green] "

@@ -88,6 +88,7 @@ class Reproduction:
     environment: dict[str, tuple]
     mismatches: dict[str, tuple]
     tolerance: float
+    timed: list[str] = dataclasses.field(default_factory=list)  # stages whose weights depended on timing
 
     @property
     def code(self) -> int:
@@ -139,7 +140,15 @@ def reproduce(run_id: str, project: Path, options: RunOptions = RunOptions(),
         with recorded_data_version(recorded_dvc, project):
             # The spec's relative inputs are relative to the project, not to where it was downloaded.
             report = run_pipeline(spec, [], project, artifacts=Path(tmp) / "artifacts", options=options)
-    environment = environment_differences(fingerprints(client, run_id), fingerprints(client, report.mlflow_run_id))
-    close = within(tolerance) if environment else exact
+    recorded = fingerprints(client, run_id)
+    environment = environment_differences(recorded, fingerprints(client, report.mlflow_run_id))
+    timed = timing_dependent(recorded)
+    close = within(tolerance) if environment or timed else exact
     return Reproduction(report, environment, compare_metrics(parent.data.metrics, report.final_metrics(), close),
-                        tolerance)
+                        tolerance, timed)
+
+
+def timing_dependent(fingerprints: dict[str, dict[str, str]]) -> list[str]:
+    """The stages whose fingerprint says their weights depend on timing (an rl stage's asynchronous rollouts on
+    the newest weights, `async_weights: latest` or `partial`): compared within the tolerance even here."""
+    return sorted(stage for stage, fp in fingerprints.items() if str(fp.get("timing_dependent")).lower() == "true")

@@ -20,7 +20,8 @@ from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
 from alignflow.flows.pipeline import load_pipeline, run_pipeline
-from alignflow.flows.reproduce import compare_metrics, environment_differences, recorded_data_version, within
+from alignflow.flows.reproduce import (compare_metrics, environment_differences, recorded_data_version,
+                                      timing_dependent, within)
 from alignflow.flows.tracking import tracking_uri
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,6 +162,12 @@ def test_environment_differences_name_the_stage_and_entry():
     assert environment_differences(a, a) == {}
     assert environment_differences(a, b) == {"data: fingerprint": ("recorded", None),
                                              "sft: cpu_capability": ("AVX2", "AVX512")}
+
+
+def test_a_stage_whose_weights_depend_on_timing_is_compared_within_the_tolerance():
+    """An rl stage's fingerprint says whether its asynchronous rollouts took the newest weights (as a tag: text)."""
+    recorded = {"grpo": {"timing_dependent": "True"}, "sft": {}, "pinned": {"timing_dependent": "False"}}
+    assert timing_dependent(recorded) == ["grpo"]
 
 
 def dvc(cwd: Path, *args: str) -> str:

@@ -99,8 +99,12 @@ def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
     it saves)."""
     s, name = ctx.settings, ctx.spec.sampler.name
     where = f"stage {ctx.name!r}, settings.async_rollouts"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     cannot = ("ZeRO-3 shards the weights the rollout worker needs whole: use zero_stage 0-2"
               if s.zero_stage == 3 else
+              f"{world} processes: asynchronous rollouts run beside one process (each rank would need a worker of "
+              "its own, which is not supported yet); run on one process or set async_rollouts: false"
+              if world > 1 and s.max_staleness > 0 else
               f"sampler {name!r} runs an engine of its own; asynchronous rollouts are for samplers that generate "
               "on the policy module (`hf`)" if sampler_cls.loads_checkpoint else None)
     if s.async_rollouts is True and cannot:
@@ -115,11 +119,10 @@ def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
     if os.environ.get(AUTO_OVERLAP_ENV, "").lower() in ("0", "false", "off"):
         return False, f"auto: {AUTO_OVERLAP_ENV}"
     cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     why = (cannot
            or (not algo.needs_old_logprobs and f"algorithm {ctx.spec.algorithm.name!r} takes no ratio to pi_old")
            or (s.recompute_old_logprobs and "recompute_old_logprobs: pi_old would not be the generating weights")
-           or (world > 1 and f"{world} processes") or (torch.cuda.is_available() and "a GPU")
+           or (torch.cuda.is_available() and "a GPU")
            or (cores - threads < s.async_threads and f"no spare core: {threads} torch threads on {cores} cores"))
     if why:
         return False, f"auto: {why}"

@@ -120,13 +120,16 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tiny):
         sampler.close()
 
 
-@pytest.mark.parametrize("settings, sampler, message", [
-    ({"zero_stage": 3}, "hf", "ZeRO-3 shards"),
-    ({}, "vllm", "engine of its own"),
+@pytest.mark.parametrize("settings, sampler, env, message", [
+    ({"zero_stage": 3}, "hf", {}, "ZeRO-3 shards"),
+    ({}, "vllm", {}, "engine of its own"),
+    ({}, "hf", {"WORLD_SIZE": "2"}, "2 processes: asynchronous rollouts run beside one process"),
 ])
-def test_overlap_refuses_what_it_cannot_copy(tmp_path, plugins, tiny, settings, sampler, message):
+def test_async_refuses_what_it_cannot_run(tmp_path, plugins, tiny, monkeypatch, settings, sampler, env, message):
     from alignflow.core import SpecError
 
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, async_rollouts=True, **settings)
     with pytest.raises(SpecError, match=message):
