@@ -174,6 +174,23 @@ def test_overlapped_episodes_with_fixed_weights_are_the_synchronous_ones(tmp_pat
         assert [m[key] for m in runs[True]] == [m[key] for m in runs[False]], key
 
 
+@pytest.mark.system
+def test_partial_rollouts_run_episodes_k_steps_ahead_within_the_bound(tmp_path, plugins, tiny):
+    """k = 2 on the newest weights, switching mid-episode (`partial`): which weights sample which turn depends on
+    timing, so the run asserts the bound (no sample more than 2 updates old), that every sample and token is
+    counted at some staleness, and that the manifest calls the stage timing-dependent."""
+    log = []
+    result = run_rl(rl_ctx(tmp_path, plugins, tiny, rows(tmp_path / "rl.jsonl"), log, ECHO, max_steps=4,
+                           async_rollouts=True, max_staleness=2, async_weights="partial"))
+    steps = [m for _, m in log[:-1]]
+    assert steps[0]["rollout/staleness"] == 0.0 and all(0 <= m["rollout/staleness"] <= 2 for m in steps)
+    for m in steps:
+        for kind in ("staleness_share", "token_share"):
+            shares = {k: v for k, v in m.items() if k.startswith(f"rollout/{kind}/")}
+            assert sum(shares.values()) == pytest.approx(1.0) and all(int(k.split("/")[-1]) <= 2 for k in shares)
+    assert (result.fingerprint["max_staleness"], result.fingerprint["timing_dependent"]) == (2, True)
+
+
 def test_evaluate_scores_episodes_with_the_environment_first(tmp_path, plugins, tiny):
     data = rows(tmp_path / "test.jsonl")
     spec = StageSpec(kind="evaluate", inputs={"model": str(tiny), "dataset": str(data)},
