@@ -175,7 +175,7 @@ class RLAlgorithm(LegacyMembers, Algorithm):
     What only some algorithms need is an opt-in capability (`alignflow.core.rl.capabilities`); the members
     inherited from `LegacyMembers` are deprecated aliases of those, kept for one release."""
 
-    stage: ClassVar[str] = "rl"
+    stage: ClassVar[str] = "rl"  # the stage kind RL algorithms serve
     needs_old_logprobs: ClassVar[bool] = True  # importance ratios / KL to pi_old
     requires_step_rewards: ClassVar[bool] = False  # a process reward (the `prm` reward) scores each step
     requires_whole_groups: ClassVar[bool] = False  # the loss couples responses of one prompt
@@ -247,6 +247,7 @@ class KLLossConfig(PluginConfig):
     """
 
     kl_loss_coef: float = Field(0.0, ge=0.0)  # beta of a KL-to-reference term in the loss
+    # Schulman's k1 = -log r, k2 = (log r)^2 / 2 or k3 = r - 1 - log r, r = pi_ref / pi_theta
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_loss_bias_correction: bool = False  # r x KL estimate per token, as TRL 1.16's default; see the docstring
     # |log r| and |log pi_ref / pi_theta| clamped before exp(), zero gradient past it (verl); None: no clamp (TRL)
@@ -262,7 +263,7 @@ class PolicyGradientConfig(KLLossConfig):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)  # epsilon_low
     clip_high: float = Field(0.2, ge=0.0)  # epsilon_high
     dual_clip: float | None = Field(None, gt=1.0)  # c of dual-clip PPO; None disables
-    loss_agg_mode: AggMode = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"  # how per-token losses become the step's loss (core/rl/aggregation.py)
 
 
 class PolicyGradient(RLAlgorithm):
