@@ -277,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help=cmd_plugins.__doc__)
     p.add_argument("action", nargs="?", choices=["show"], help="show NAME: one plugin's config fields")
     p.add_argument("name", nargs="?", help="the plugin to show")
-    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"],
-                   help="list only this kind; with `show`, when names collide")
+    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"], metavar="KIND",
+                   help="algorithm, reward, sampler, selector or environment: list only this kind; with `show`, "
+                   "when names collide")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
 

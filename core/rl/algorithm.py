@@ -2,17 +2,24 @@
 
 The stage drives every algorithm the same way, without knowing which one it runs:
 
-    rollout = Rollout(...)                          # generate G per prompt, score, old/ref log-probs, values
-    rollout = rollout.select(algo.filter_groups(rollout))  # e.g. DAPO's filter of equal-reward groups
-    advantages, returns = algo.advantages(rollout)  # once per rollout, on the whole batch
-    skip = algo.inert_rows(rollout, advantages)     # rows with a zero loss and gradient: never forwarded
+    # generate G per prompt, score; old/ref log-probs, values
+    rollout = Rollout(...)
+    # e.g. DAPO's filter of equal-reward groups
+    rollout = rollout.select(algo.filter_groups(rollout))
+    # once per rollout, on the whole batch
+    advantages, returns = algo.advantages(rollout)
+    # rows with a zero loss and gradient: never forwarded
+    skip = algo.inert_rows(rollout, advantages)
     for each of ppo_epochs, each optimizer step, each micro-batch `idx`:
-        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...,
-                                  policy_weights=...)     # tis_cap / icepop: pi_old / mu, capped or banded
-        per_token, metrics = sampler_corrected(algo, batch)  # algo.loss, the weights on its policy term only
+        # policy_weights: tis_cap / icepop, pi_old / mu, capped or banded
+        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages,
+                                  returns=returns, values=..., policy_weights=...)
+        # algo.loss, the weights on its policy term only
+        per_token, metrics = sampler_corrected(algo, batch)
         norm = StepNorm(step tokens, step sequences, algo.norm_constant(rollout))
         loss = aggregate(per_token, batch.response_mask, algo.loss_agg_mode, norm)
-        if algo.requires_critic: loss += aggregate(algo.value_loss(batch)[0], ..., same mode and norm)
+        if algo.requires_critic:  # same mode and norm
+            loss += aggregate(algo.value_loss(batch)[0], ...)
     log algo.step_metrics()
 
 The flags (`needs_old_logprobs`, `requires_reference`/`critic`/`teacher`/`step_rewards`/`whole_groups`) say

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-import json
+import html
 
 # page -> (title, what it holds, [(module, [public names, in the page's order])])
 API = {
@@ -62,16 +62,13 @@ def _name(value) -> str:
 
 
 def _text(value) -> str:
-    if inspect.isclass(value):
-        return value.__name__
-    try:
-        return json.dumps(value)
-    except TypeError:
-        return repr(value)
+    """A default as Python writes it (these are Python objects, not YAML): a class by its name."""
+    return value.__name__ if inspect.isclass(value) else repr(value)
 
 
 def _code(text: str) -> str:
-    return "`" + text.replace("|", "\\|") + "`"
+    """Inline code; a pipe inside backticks would keep its escaping backslash in Python-Markdown."""
+    return f"<code>{html.escape(text).replace('|', '&#124;')}</code>" if "|" in text else f"`{text}`"
 
 
 def _cell(text: str) -> str:
