@@ -36,7 +36,7 @@ Overrides = list[str] | Mapping[str, Any] | None
 class RunResult:
     """A finished run: each stage's status, final metrics and artifact folder, and the run ids."""
 
-    report: PipelineReport
+    report: PipelineReport  # the run's report, as `alignflow run` prints it (`render`, `as_json`)
 
     @property
     def statuses(self) -> dict[str, str]:

@@ -276,6 +276,7 @@ class PolicyGradientConfig(KLLossConfig):
 class PolicyGradient(RLAlgorithm):
     """PPO's clipped surrogate plus an optional KL-to-reference loss; subclasses supply the advantages."""
 
+    # clip ranges, the KL term and its clamps, the aggregation mode
     Config: ClassVar[type[PluginConfig]] = PolicyGradientConfig
     applies_policy_weights: ClassVar[bool] = True  # in `with_kl_loss`, which every policy loss here ends with
 

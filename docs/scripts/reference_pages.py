@@ -57,12 +57,18 @@ def _help_sections(parser, level: int) -> list[str]:
 
 def cli_pages() -> dict[str, str]:
     """`alignflow --help` and every subcommand's, nested ones included, as argparse prints them."""
-    os.environ["COLUMNS"] = str(HELP_COLUMNS)  # argparse wraps at the terminal's width: fix it
     from alignflow.flows.cli import build_parser
 
-    parser = build_parser()
-    out = ["# Command line", "", "Generated from the argument parser of `alignflow` at build time.", "",
-           "```text", parser.format_help().rstrip(), "```", *_help_sections(parser, 2)]
+    parser, columns = build_parser(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(HELP_COLUMNS)  # argparse wraps at the terminal's width: fix it, for this page only
+    try:
+        out = ["# Command line", "", "Generated from the argument parser of `alignflow` at build time.", "",
+               "```text", parser.format_help().rstrip(), "```", *_help_sections(parser, 2)]
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return {"cli.md": "\n".join(out) + "\n"}
 
 
