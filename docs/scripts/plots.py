@@ -59,7 +59,8 @@ class Frame:
         for t in self.x_ticks:
             x = self.x(t)
             name = (x_names or {}).get(t, _label(t) if x_names is None else "")
-            out.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle" {FONT}>{escape(name)}</text>')
+            out.append(f'<text x="{x:.1f}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle" {FONT}>'
+                       f'{escape(name)}</text>')
         bottom = HEIGHT - BOTTOM
         out.append(f'<line x1="{LEFT}" y1="{bottom}" x2="{WIDTH - RIGHT}" y2="{bottom}" stroke="#616161"/>')
         out.append(f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{bottom}" stroke="#616161"/>')

@@ -186,7 +186,8 @@ def plugin_pages() -> dict[str, str]:
     for kind in KINDS.values():  # every plugin kind, in the hooks' order
         page, mine = KIND_PAGES[kind], [e for e in entries if e.kind == kind]
         stages = kind == "algorithm"
-        head = ["| plugin | stage | what it is |", "|---|---|---|"] if stages else ["| plugin | what it is |", "|---|---|"]
+        head = ["| plugin | stage | what it is |", "|---|---|---|"] if stages else \
+            ["| plugin | what it is |", "|---|---|"]
         toc = [f"| [`{e.name}`](#{_anchor(e.name)}) | " + (f"`{e.obj.stage}` | " if stages else "")
                + _one_line(e.description) + " |" for e in mine]
         index += [f"## [{page.capitalize()}](plugins/{page}.md)", "", *head,
