@@ -33,7 +33,7 @@ class Difficulty(Selector):
     """
 
     class Config(PluginConfig):
-        column: str = "pass_rate"  # the pass rate of the row's prompt, 0 to 1
+        column: str = "pass_rate"  # the rate, 0 to 1; with group_by, averaged over the group (`correct` per sample)
         group_by: str | None = None  # None: each row carries its own rate
         # keep rows whose rate is above this (at or above with strict: false)
         min_pass: float = Field(0.0, ge=0.0, le=1.0)
