@@ -58,8 +58,9 @@ def _operational(value: Any) -> Any:
 class Algorithm:
     """A training objective for one stage kind; a stage builds its inputs from the flags below."""
 
+    # the plugin's pydantic config, validated from the pipeline's `config:` block
     Config: ClassVar[type[PluginConfig]] = PluginConfig
-    stage: ClassVar[str] = ""
+    stage: ClassVar[str] = ""  # the stage kind it trains: sft, preference, reward_model, prm or rl
     requires_reference: ClassVar[bool] = False  # frozen reference model log-probs
     requires_critic: ClassVar[bool] = False  # a value head trained alongside the policy
     requires_pairs: ClassVar[bool] = False  # prompt/chosen/rejected rows
@@ -72,7 +73,7 @@ class Algorithm:
 class Sampler:
     """Generates `n` completions per prompt: token ids, text, and log-probs when it has them."""
 
-    Config: ClassVar[type[PluginConfig]] = PluginConfig
+    Config: ClassVar[type[PluginConfig]] = PluginConfig  # validated from the stage's `sampler: {config: ...}`
     online: ClassVar[bool] = True  # takes new policy weights after each update
     loads_checkpoint: ClassVar[bool] = False  # sampling stages pass a checkpoint folder to `load`, not a module
 
@@ -111,6 +112,7 @@ class Sampler:
 class Selector:
     """Chooses or reorders dataset rows before training (filters, curricula, dedup)."""
 
+    # validated from the selector's `config:` in the stage's `selectors` list
     Config: ClassVar[type[PluginConfig]] = PluginConfig
 
     def __init__(self, config: PluginConfig | None = None):

@@ -139,37 +139,39 @@ def _names(items) -> str:
 
 
 def settings_tables() -> str:
-    """Markdown tables of the stage settings models (`alignflow.core.spec.settings`): field, type (with
-    bounds), default (as JSON) and description (the Field's description, else the trailing comment of
-    the field's own line). A subclass lists only the fields it adds or redefines."""
+    """Markdown tables of the stage settings models (`alignflow.core.spec.settings`), each after a bold title."""
+    return "\n\n".join(f"**{name}**: " + settings_block(name) for name in SETTINGS_MODELS)
+
+
+def settings_block(name: str) -> str:
+    """One settings model: what it serves, then a table of field, type (with bounds), default (as JSON) and
+    description (the Field's description, else the field's comment). A subclass lists only the fields it adds
+    or redefines."""
     from alignflow.core.spec import settings
     from alignflow.core.spec.kinds import SETTINGS
 
-    models = [getattr(settings, name) for name in SETTINGS_MODELS]
-    blocks = []
-    for model in models:
-        base = model.__bases__[0]
-        kinds = [kind for kind, m in SETTINGS.items() if m is model]
-        nested = sorted({name for m in models for name, f in m.model_fields.items() if f.annotation is model})
-        children = [m.__name__ for m in models if m.__bases__[0] is model]
-        about = []
-        if kinds:
-            about.append(f"Settings of {_names(kinds)} stages.")
-        if nested:
-            about.append(f"The {_names(nested)} blocks.")
-        if children:
-            about.append(f"The base of {_names(children)}.")
-        doc = model.__dict__.get("__doc__")
-        if doc:
-            about.append(" ".join(doc.split()))
-        own = list(inspect.get_annotations(model))
-        if base in models:
-            about.append(f"Every `{base.__name__}` field, and these (new or redefined):")
-        comments = line_comments(model)
-        defaults = model().model_dump(mode="json")
-        rows = [_row(name, model.model_fields[name], defaults.get(name), comments) for name in own]
-        blocks.append(f"**{model.__name__}**: " + " ".join(about) + "\n\n" + "\n".join(TABLE_HEAD + rows))
-    return "\n\n".join(blocks)
+    models = [getattr(settings, n) for n in SETTINGS_MODELS]
+    model = getattr(settings, name)
+    base = model.__bases__[0]
+    kinds = [kind for kind, m in SETTINGS.items() if m is model]
+    nested = sorted({n for m in models for n, f in m.model_fields.items() if f.annotation is model})
+    children = [m.__name__ for m in models if m.__bases__[0] is model]
+    about = []
+    if kinds:
+        about.append(f"Settings of {_names(kinds)} stages.")
+    if nested:
+        about.append(f"The {_names(nested)} blocks.")
+    if children:
+        about.append(f"The base of {_names(children)}.")
+    doc = model.__dict__.get("__doc__")
+    if doc:
+        about.append(" ".join(doc.split()))
+    if base in models:
+        about.append(f"Every `{base.__name__}` field, and these (new or redefined):")
+    comments = line_comments(model)
+    defaults = model().model_dump(mode="json")
+    rows = [_row(n, model.model_fields[n], defaults.get(n), comments) for n in inspect.get_annotations(model)]
+    return " ".join(about) + "\n\n" + "\n".join(TABLE_HEAD + rows)
 
 
 TABLE_HEAD = ["| field | type | default | description |", "|---|---|---|---|"]

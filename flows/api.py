@@ -1,7 +1,8 @@
 """Run and validate pipelines from Python (notebooks, scripts): what `alignflow run --json` and `validate` give.
 
     from alignflow.flows import RunOptions, run
-    result = run("pipelines/r1-tiny.yaml", ["sft.settings.max_steps=5"], options=RunOptions(nproc=2))
+    result = run("pipelines/r1-tiny.yaml", ["sft.settings.max_steps=5"],
+                 options=RunOptions(nproc=2))
     result.statuses, result.metrics["sft"], result.artifacts["sft"]
 
 A pipeline is a YAML file or the same spec as a dict; `options=None` reads the ALIGNFLOW_* variables
@@ -35,7 +36,7 @@ Overrides = list[str] | Mapping[str, Any] | None
 class RunResult:
     """A finished run: each stage's status, final metrics and artifact folder, and the run ids."""
 
-    report: PipelineReport
+    report: PipelineReport  # the run's report, as `alignflow run` prints it (`render`, `as_json`)
 
     @property
     def statuses(self) -> dict[str, str]:

@@ -21,6 +21,7 @@ from alignflow.core.plugins import get_plugins
 from alignflow.flows.api import run_checked
 from alignflow.flows.launch.child import configure_logging
 from alignflow.flows.data import DATA_DIR, reasoning_gym_data, reasoning_gym_steps_data, regenerate_data
+from alignflow.flows.diagram import mermaid
 from alignflow.flows.launch.nodes import LAUNCHER_VARS, launched_by_deepspeed
 from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions, stage_count
 from alignflow.flows.preflight import check_pipeline
@@ -76,6 +77,9 @@ def _show_plugin(args, matches) -> int:
 def cmd_validate(args) -> int:
     """Validate a pipeline spec, print its stage DAG and each training stage's estimated memory per GPU."""
     spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
+    if args.mermaid:  # plain text for a Markdown page: no colours, no memory estimate
+        print(mermaid(spec), end="")
+        return 0
     console.print(dag_tree(spec, args.pipeline))
     return show_memory(spec, args)
 
@@ -278,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help=cmd_plugins.__doc__)
     p.add_argument("action", nargs="?", choices=["show"], help="show NAME: one plugin's config fields")
     p.add_argument("name", nargs="?", help="the plugin to show")
-    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"],
-                   help="list only this kind; with `show`, when names collide")
+    p.add_argument("--kind", choices=["algorithm", "reward", "sampler", "selector", "environment"], metavar="KIND",
+                   help="algorithm, reward, sampler, selector or environment: list only this kind; with `show`, "
+                   "when names collide")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_plugins)
 
@@ -291,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "assumes (default 1)")
     p.add_argument("--gpu-memory", metavar="SIZE", help="fail when a training stage's estimate exceeds this "
                    "per GPU, e.g. 80GiB (a colocated vLLM sampler's share counted)")
+    p.add_argument("--mermaid", action="store_true", help="print only the stage DAG, as a Mermaid flowchart "
+                   "(paste it into a ```mermaid block of a Markdown page)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help=cmd_run.__doc__)

@@ -41,9 +41,9 @@ def stage_count(text: str, where: str, what: str = "stages") -> int:
 class Nodes:
     """How many nodes run a stage's ranks, which one this is, and node 0's rendezvous endpoint."""
 
-    count: int = 1
-    rank: int = 0
-    host: str = "127.0.0.1"
+    count: int = 1  # machines that run each stage's ranks together (`--nnodes`)
+    rank: int = 0  # this machine's place, 0 to count - 1; node 0 runs the pipeline (`--node-rank`)
+    host: str = "127.0.0.1"  # node 0's address, where the nodes meet (`--rdzv-endpoint`)
     port: int = 0  # one node: a free port per stage
 
     @property

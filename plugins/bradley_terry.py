@@ -17,7 +17,7 @@ class BradleyTerry(OfflineAlgorithm):
     """
 
     class Config(PluginConfig):
-        margin: float = 0.0
+        margin: float = 0.0  # m in -log sigmoid(r_chosen - r_rejected - m), for rows without a `margin` column
         center_rewards_coefficient: float = Field(0.0, ge=0.0)  # Eisenstein et al. use 0.01
 
     stage = "reward_model"

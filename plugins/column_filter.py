@@ -16,10 +16,10 @@ class ColumnFilter(Selector):
     that `matches` (a Python regex, matched in full)."""
 
     class Config(PluginConfig):
-        column: str
-        equals: Any = None
-        in_: list[Any] | None = None
-        matches: str | None = None
+        column: str  # the column to test (required)
+        equals: Any = None  # keep rows whose value equals this
+        in_: list[Any] | None = None  # keep rows whose value is one of these (YAML key `in`)
+        matches: str | None = None  # keep rows whose string value matches this Python regex in full
         invert: bool = False  # keep the rows that do NOT match instead
         missing_ok: bool = False  # a row without the column is a non-match rather than an error
 

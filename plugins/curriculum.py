@@ -19,6 +19,7 @@ class Curriculum(Selector):
 
     class Config(PluginConfig):
         column: str = "level"  # a dotted path reaches into objects: `rewards.judge`
+        # ascending for a difficulty (easy first), descending for a pass rate or a score
         order: Literal["ascending", "descending"] = "ascending"
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:

@@ -11,7 +11,7 @@ class Dedup(Selector):
     """Drop rows whose `column` value (after optional whitespace stripping) was already seen."""
 
     class Config(PluginConfig):
-        column: str = "prompt"
+        column: str = "prompt"  # the value rows are compared by
         strip: bool = True  # " 2+2" and "2+2 " are the same prompt
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:

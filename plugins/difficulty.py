@@ -33,9 +33,11 @@ class Difficulty(Selector):
     """
 
     class Config(PluginConfig):
-        column: str = "pass_rate"
+        column: str = "pass_rate"  # the rate, 0 to 1; with group_by, averaged over the group (`correct` per sample)
         group_by: str | None = None  # None: each row carries its own rate
+        # keep rows whose rate is above this (at or above with strict: false)
         min_pass: float = Field(0.0, ge=0.0, le=1.0)
+        # keep rows whose rate is below this (at or below with strict: false)
         max_pass: float = Field(1.0, ge=0.0, le=1.0)
         strict: bool = True  # exclude the bounds themselves; the default [0, 1] then drops 0 and 1 only
         rate_key: str = "pass_rate"  # with group_by, each kept row gets its group's rate under this key

@@ -23,6 +23,7 @@ DEFAULT_TAU = {"logL": 10.0, "Lratio": 1.0}  # the released scripts
 
 
 class DisCOConfig(PluginConfig):
+    # s_i: logL, the token-mean log-likelihood, or Lratio, the likelihood ratio to pi_old
     score: Literal["logL", "Lratio"] = "logL"
     tau: float | None = Field(None, gt=0.0)  # DRO temperature; None: 10 for logL, 1 for Lratio
     delta: float = Field(1e-4, ge=0.0)  # trust region: KL(pi_old || pi_theta) <= delta

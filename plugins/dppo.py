@@ -23,7 +23,7 @@ class DPPOConfig(KLLossConfig):  # kl_loss_coef 0: no KL-to-reference term in th
     divergence: Literal["tv", "kl"] = "tv"  # binary TV (the paper's Eq. 13) or binary KL (Eq. 14)
     # thresholds of the trust region; None: 0.2 for TV (the official code) and 0.05 for KL (its units are nats)
     delta_low: float | None = Field(None, gt=0.0)
-    delta_high: float | None = Field(None, gt=0.0)
+    delta_high: float | None = Field(None, gt=0.0)  # the upper one; None: as delta_low
     # rollout: mu, the sampler's own log-probs (the paper, Sec. 5.2, and its code; pi_old when the sampler has
     # none); recompute: pi_old, the trainer's log-probs at theta_old (verl's default outside bypass mode)
     anchor: Literal["rollout", "recompute"] = "rollout"

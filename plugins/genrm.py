@@ -24,13 +24,14 @@ class GenerativeVerifier:
 
     class Config(VerdictConfig):  # template, yes, no: as the verifier's rows had them
         path: str = Field(description="the verifier: a causal LM checkpoint folder (model and tokenizer)")
+        # direct: the verdict after the question; cot: after each of `votes` sampled rationales
         mode: Literal["direct", "cot"] = "direct"
         votes: int = Field(4, ge=1, description="cot: rationales sampled per completion, their verdicts averaged")
-        temperature: float = Field(1.0, gt=0)
+        temperature: float = Field(1.0, gt=0)  # cot: of the sampled rationales
         max_new_tokens: int = Field(64, ge=1, description="cot: the longest rationale")
         seed: int = 0  # cot: the sampling seed (the global RNG is left as it was)
-        batch_size: int = Field(8, ge=1)
-        max_length: int = Field(256, ge=8)
+        batch_size: int = Field(8, ge=1)  # completions scored per forward pass
+        max_length: int = Field(256, ge=8)  # tokens of prompt and completion; longer text is cut from the left
         device: str | None = Field(None, description="default: cuda when available, else cpu")
 
     def __init__(self, config: Config):

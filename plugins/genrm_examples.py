@@ -32,8 +32,8 @@ class VerdictConfig(PluginConfig):
     """The verification prompt and the two verdicts: the rows' and the `genrm` reward's, which must agree."""
 
     template: str = Field(TEMPLATE, description="with {prompt} and {completion}")
-    yes: str = YES
-    no: str = NO
+    yes: str = YES  # the verdict text of a correct candidate
+    no: str = NO  # the verdict text of an incorrect one
 
     _template = field_validator("template")(classmethod(lambda cls, v: check_template(v)))
 
@@ -83,8 +83,9 @@ class GenRMExamples(Selector):
     SFT row: the paper's joint objective (its λ) with the solution-generation loss; off by default."""
 
     class Config(VerdictConfig):
+        # steps: a recomputation of each step before the verdict (GenRM-CoT); none: the verdict alone
         rationale: Literal["steps", "none"] = "steps"
-        balance: bool = True
+        balance: bool = True  # as many `no` rows as `yes` rows, by a seeded draw of the larger class
         solutions: bool = False  # also each correct sample as an SFT row (the paper's joint SFT objective)
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:

@@ -19,7 +19,7 @@ class GMPOConfig(KLLossConfig):
     # Log space, hence names of their own (a GRPO `clip_low: 0.2` would silently mean something else): token
     # log-ratios are clipped to [-log_clip_low, log_clip_high]; the paper's ratio range (e^-0.4, e^0.4).
     log_clip_low: float = Field(0.4, gt=0.0)
-    log_clip_high: float = Field(0.4, gt=0.0)
+    log_clip_high: float = Field(0.4, gt=0.0)  # upper bound of a token's log-ratio
     kl_loss_coef: float = Field(0.0, ge=0.0)  # official scripts: --beta 0
     # (1/G) sum_i of one value per response: the 1/|o_i| already sits in the geometric mean's exponent.
     loss_agg_mode: AggMode = "seq-mean-token-mean"

@@ -47,7 +47,7 @@ class HFSampler(Sampler):
     class Config(PluginConfig):
         batch_size: int | None = Field(None, ge=1)  # rows per decode loop (whole prompts of n); None: by max_batch_tokens
         max_batch_tokens: int = Field(1 << 18, ge=1)  # rows x (longest prompt + max_new_tokens) per loop
-        return_logprobs: bool = True
+        return_logprobs: bool = True  # the sampled tokens' log-probs, which RL stages take as pi_old
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
 

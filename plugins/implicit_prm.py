@@ -129,10 +129,11 @@ class ImplicitProcessReward:
         reference: str | None = Field(None, description="the model it was trained against (folder, hub id or "
                                       "builtin:tiny); default: the one its stage recorded")
         beta: float | None = Field(None, gt=0.0, description="default: the beta its stage trained with, else 0.05")
+        # a solution's score from its steps' rewards: the worst step, or their sum
         aggregation: Literal["min", "sum"] = "min"
         step_separator: str = Field("\n\n", min_length=1)  # the paper's evaluation joins steps by a blank line
-        batch_size: int = Field(8, ge=1)
-        max_length: int = Field(2048, ge=8)
+        batch_size: int = Field(8, ge=1)  # completions scored per forward pass
+        max_length: int = Field(2048, ge=8)  # tokens of prompt and completion scored
         device: str | None = Field(None, description="default: cuda when available, else cpu")
 
     def __init__(self, config: Config):

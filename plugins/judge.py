@@ -26,9 +26,9 @@ class Judge:
         mapping: dict[str, float] | None = Field(
             default_factory=lambda: {"yes": 1.0, "no": 0.0},
             description="verdict -> score (case-insensitive); null: group 1 is a number")
-        max_new_tokens: int = Field(64, ge=1)
-        batch_size: int = Field(8, ge=1)
-        device: str | None = None
+        max_new_tokens: int = Field(64, ge=1)  # the longest judgement generated
+        batch_size: int = Field(8, ge=1)  # completions judged per generate call
+        device: str | None = None  # None: cuda when available, else cpu
 
         @field_validator("template")
         @classmethod

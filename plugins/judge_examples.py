@@ -41,9 +41,9 @@ class JudgeExamples(Selector):
 
     class Config(PluginConfig):
         template: str = "{prompt}{completion}?"  # with {prompt} and {completion}; the `judge` reward's template
-        yes: str = "Y"
-        no: str = "N"
-        balance: bool = True
+        yes: str = "Y"  # the verdict text of a correct sample
+        no: str = "N"  # the verdict text of an incorrect one
+        balance: bool = True  # as many `no` rows as `yes` rows, by a seeded draw of the larger class
         answers: bool = True  # also each correct sample as an SFT row, so answering is rehearsed
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:

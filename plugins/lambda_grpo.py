@@ -17,9 +17,9 @@ from alignflow.plugins.grpo import GRPO, GRPOConfig
 
 
 class LambdaGRPOConfig(GRPOConfig):
-    kl_loss_coef: float = Field(0.0, ge=0.0)
+    kl_loss_coef: float = Field(0.0, ge=0.0)  # no KL-to-reference term by default
     loss_agg_mode: AggMode = "token-mean"  # lambda = 0 is then DAPO's token-level loss
-    lambda_init: float = 0.0
+    lambda_init: float = 0.0  # lambda at the start (learned from there); 0: DAPO's token-level loss
     lift: float = Field(1 / 9, gt=0.0)  # r in h_i = 1 + r z_i; r < 1/sqrt(G-1) keeps h > 0 for every group
     min_lift: float = Field(1e-6, gt=0.0)  # clamp on h, so h ** lambda stays defined for any r
 

@@ -45,6 +45,7 @@ class MathTools(Environment):
     """A math problem with tools (calculator, python); the turn without a tool call is the answer."""
 
     class Config(PluginConfig):
+        # calculator: integer + - * and parentheses; python: a sandboxed Python snippet
         tools: list[Literal["calculator", "python"]] = ["calculator"]
 
     def reset(self, row: dict, seed: int) -> str:

@@ -20,10 +20,10 @@ class NGRPOConfig(PolicyGradientConfig):
     clip_low: float = Field(0.16, ge=0.0, lt=1.0)  # stricter for A < 0 (official script: clip_ratio_low)
     clip_high: float = Field(0.24, ge=0.0)  # looser for A > 0 (clip_ratio_high)
     kl_loss_coef: float = Field(0.0, ge=0.0)  # official script: no KL
-    loss_agg_mode: AggMode = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"  # the official script's
     max_reward: float = 1.0  # r_max, the virtual samples' reward (official `max_reward`)
     virtual_samples: int = Field(1, ge=0)  # K (official `add_max_reward_num`); 0 is GRPO's advantage
-    eps: float = Field(1e-6, gt=0.0)
+    eps: float = Field(1e-6, gt=0.0)  # added to the calibrated std before dividing by it
     # The official script also drops all-correct groups (advantage 0 anyway) and refills the batch, as
     # DAPO's dynamic sampling; the paper's method keeps every group, so this is off by default.
     filter_all_correct: bool = False

@@ -14,11 +14,11 @@ from alignflow.core.rl.parts import gae, kl_estimate, last_token_rewards, masked
 
 class PPOConfig(PolicyGradientConfig):
     kl_coef: float = Field(0.05, ge=0.0)  # beta of the per-token k1 penalty in the reward (TRL)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount of the per-token rewards (1: none, TRL's)
     lam: float = Field(0.95, ge=0.0, le=1.0)  # GAE lambda
     value_clip: float = Field(0.2, gt=0.0)  # epsilon_v
     vf_coef: float = Field(0.1, ge=0.0)  # weight of the value loss
-    whiten_advantages: bool = True
+    whiten_advantages: bool = True  # advantages standardised over the rollout's tokens (TRL)
 
 
 class PPO(PolicyGradient):

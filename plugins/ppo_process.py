@@ -17,7 +17,7 @@ class ProcessPPOConfig(PPOConfig):
     # raw: the PRM's score as it is (Math-Shepherd). clip: min(score - eta, 0) (Gao et al. 2024,
     # arXiv 2410.15115): never positive, so extra steps cannot add reward.
     step_reward: Literal["raw", "clip"] = "raw"
-    clip_eta: float = Field(0.5, ge=0.0, le=1.0)
+    clip_eta: float = Field(0.5, ge=0.0, le=1.0)  # eta of `step_reward: clip`, the score a step needs to cost nothing
 
 
 class ProcessPPO(PPO):

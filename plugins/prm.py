@@ -28,10 +28,11 @@ class ProcessReward:
 
     class Config(PluginConfig):
         path: str = Field(description="a `prm` stage's model folder: model and tokenizer")
+        # a solution's score from its steps': the worst (Math-Shepherd), product, last or mean
         aggregation: Literal["min", "prod", "last", "mean"] = "min"
         step_separator: str | None = Field(None, min_length=1, description="default: the model's own")
-        batch_size: int = Field(8, ge=1)
-        max_length: int = Field(2048, ge=8)
+        batch_size: int = Field(8, ge=1)  # completions scored per forward pass
+        max_length: int = Field(2048, ge=8)  # tokens of prompt and completion scored
         device: str | None = Field(None, description="default: cuda when available, else cpu")
 
     def __init__(self, config: Config):

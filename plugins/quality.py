@@ -34,7 +34,7 @@ class Quality(Selector):
         k: int | None = Field(None, ge=1)  # LIMO kept 817, LIMA 1,000
         fraction: float | None = Field(None, gt=0.0, le=1.0)  # of the input rows, rounded down
         cluster_column: str | None = "prompt"  # None: no diversity cap; rows without it share one cluster
-        per_cluster: int = Field(1, ge=1)
+        per_cluster: int = Field(1, ge=1)  # rows kept at most from each cluster (rows sharing `cluster_column`)
 
         @model_validator(mode="after")
         def _one_budget(self):

@@ -14,7 +14,7 @@ from alignflow.core.rl.parts import discounted_returns, kl_estimate, last_token_
 class ReinforcePPConfig(PolicyGradientConfig):
     kl_coef: float = Field(0.01, ge=0.0)  # beta of the k1 KL in the token reward (OpenRLHF --algo.kl.init_coef)
     reward_clip: float = Field(10.0, gt=0.0)  # R clipped to [-c, c] before it enters the return
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)  # discount of the per-token rewards in the return-to-go (1: none)
 
 
 class ReinforcePP(PolicyGradient):

@@ -22,8 +22,8 @@ class RePOConfig(GRPOConfig):
     # lambda_0 and its step size: Safe-RLHF's PPO-Lagrangian script (threshold 0, lambda_init 1, lambda_lr 0.1,
     # there a step on log lambda), whose code the paper's builds on; the paper's own values were not found.
     # lambda_0 = 1 makes a correct answer that violates by 1 worth no more than a wrong one.
-    lambda_init: float = Field(1.0, ge=0.0)
-    lambda_lr: float = Field(0.1, ge=0.0)
+    lambda_init: float = Field(1.0, ge=0.0)  # lambda_0, the multiplier's start
+    lambda_lr: float = Field(0.1, ge=0.0)  # step size of lambda's projected dual ascent, once per rollout
     threshold: float = 0.0  # the constraint is C - threshold <= 0 (0: the paper's C <= 0)
     # A response whose cost reward failed (None) counts as violating by this much: the constraint fails closed.
     failed_violation: float = Field(1.0, gt=0.0)

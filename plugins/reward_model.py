@@ -15,7 +15,7 @@ class RewardModel:
 
     class Config(PluginConfig):
         path: str = Field(description="checkpoint folder: model and tokenizer")
-        batch_size: int = Field(8, ge=1)
+        batch_size: int = Field(8, ge=1)  # completions scored per forward pass
         max_length: int = Field(2048, ge=1, description="tokens per sample after truncation")
         device: str | None = Field(None, description="default: cuda when available, else cpu")
 

@@ -13,7 +13,7 @@ class Subsample(Selector):
     """Keep a seeded random subset of `n` rows; all rows when there are `n` or fewer."""
 
     class Config(PluginConfig):
-        n: int = Field(ge=1)
+        n: int = Field(ge=1)  # rows kept, drawn without replacement (all of them when there are fewer)
         seed: int | None = None  # None: the stage's seed
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:

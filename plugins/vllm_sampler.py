@@ -45,12 +45,12 @@ class VLLMSampler(Sampler):
         kv_cache_gb: float = Field(1.0, gt=0)  # CPU: memory for the KV cache (VLLM_CPU_KVCACHE_SPACE)
         gpu_memory_utilization: float = Field(0.4, gt=0, le=1)  # GPU: share of the device vLLM may take
         enforce_eager: bool = True  # no CUDA graphs / compilation: fast start, what small models want
-        tensor_parallel_size: int = Field(1, ge=1)
+        tensor_parallel_size: int = Field(1, ge=1)  # GPUs one engine splits each layer over (vLLM's option)
         max_model_len: int | None = Field(None, ge=8)  # None: the model's max_position_embeddings
         sleep: bool = False  # GPU: free the engine's memory while the trainer steps (vLLM sleep mode)
         weight_sync: Literal["auto", "file", "ipc"] = "auto"  # auto: CUDA IPC on a GPU, a safetensors file on CPU
         cpu_threads_bind: str = "auto"  # CPU: the cores the engine's worker binds to (VLLM_CPU_OMP_THREADS_BIND)
-        return_logprobs: bool = True
+        return_logprobs: bool = True  # the sampled tokens' log-probs (the behaviour policy mu of `tis_cap`, `icepop`)
         # A LoRA policy: `adapters` starts the engine on the base weights with vLLM's LoRA serving and syncs only
         # the adapters (a LoRARequest with a new id per sync); `merged` syncs the whole merged weights
         # W + (alpha / r) B A; `auto` takes adapters where vLLM serves them, else merged with a warning.

@@ -49,9 +49,9 @@ class Limits:
 class Turn:
     """One model turn: its text (special tokens removed), the tool calls parsed from it, its place (0 first)."""
 
-    text: str
-    tool_calls: list[ToolCall]
-    index: int
+    text: str  # what the model wrote, special tokens removed
+    tool_calls: list[ToolCall]  # the calls parsed from `text` (hermes or tag form, the stage's `tool_format`)
+    index: int  # the turn's place in the episode: 0 for the first
 
 
 @dataclass
@@ -65,13 +65,15 @@ class Step:
     step says why it ended when not "done", as one of ENDINGS (an environment's own turn cap: "max_turns").
     """
 
+    # the next messages: a string (one user message), a list of messages, or None
     observation: str | list[Message] | None = None
-    reward: float = 0.0
-    done: bool = False
-    tool_calls: int = 0
-    tool_errors: int = 0
+    reward: float = 0.0  # this turn's reward; the episode's reward is the sum over its turns
+    done: bool = False  # the episode is over: no more model turns
+    tool_calls: int = 0  # tool calls this turn made, for the episode's metrics
+    tool_errors: int = 0  # of those, the ones that failed
+    # free-form; `info["ended"]` on a done step says why it ended, one of ENDINGS
     info: dict[str, Any] = field(default_factory=dict)
-    success: bool | None = None
+    success: bool | None = None  # whether the episode was won, apart from its reward; None: reward >= 1 counts as won
 
 
 def check_failures(name: str, ended: list[str], failures: list[str | None]) -> None:
@@ -86,6 +88,7 @@ def check_failures(name: str, ended: list[str], failures: list[str | None]) -> N
 class Environment:
     """Base for environment plugins: override `reset` and `score` (and `tools`), or `step` for any protocol."""
 
+    # the plugin's pydantic config, from the stage's `environment: {config: ...}`
     Config: ClassVar[type[PluginConfig]] = PluginConfig
     mcp_tools: tuple = ()  # the batch's MCP servers' tools, set before `reset` (core/environments/mcp.py)
     limits: Limits = Limits()  # the stage's limits on this episode, set before `reset`

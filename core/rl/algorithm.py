@@ -2,17 +2,24 @@
 
 The stage drives every algorithm the same way, without knowing which one it runs:
 
-    rollout = Rollout(...)                          # generate G per prompt, score, old/ref log-probs, values
-    rollout = rollout.select(algo.filter_groups(rollout))  # e.g. DAPO's filter of equal-reward groups
-    advantages, returns = algo.advantages(rollout)  # once per rollout, on the whole batch
-    skip = algo.inert_rows(rollout, advantages)     # rows with a zero loss and gradient: never forwarded
+    # generate G per prompt, score; old/ref log-probs, values
+    rollout = Rollout(...)
+    # e.g. DAPO's filter of equal-reward groups
+    rollout = rollout.select(algo.filter_groups(rollout))
+    # once per rollout, on the whole batch
+    advantages, returns = algo.advantages(rollout)
+    # rows with a zero loss and gradient: never forwarded
+    skip = algo.inert_rows(rollout, advantages)
     for each of ppo_epochs, each optimizer step, each micro-batch `idx`:
-        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages, returns=returns, values=...,
-                                  policy_weights=...)     # tis_cap / icepop: pi_old / mu, capped or banded
-        per_token, metrics = sampler_corrected(algo, batch)  # algo.loss, the weights on its policy term only
+        # policy_weights: tis_cap / icepop, pi_old / mu, capped or banded
+        batch = rollout.minibatch(idx, logprobs=..., advantages=advantages,
+                                  returns=returns, values=..., policy_weights=...)
+        # algo.loss, the weights on its policy term only
+        per_token, metrics = sampler_corrected(algo, batch)
         norm = StepNorm(step tokens, step sequences, algo.norm_constant(rollout))
         loss = aggregate(per_token, batch.response_mask, algo.loss_agg_mode, norm)
-        if algo.requires_critic: loss += aggregate(algo.value_loss(batch)[0], ..., same mode and norm)
+        if algo.requires_critic:  # same mode and norm
+            loss += aggregate(algo.value_loss(batch)[0], ...)
     log algo.step_metrics()
 
 The flags (`needs_old_logprobs`, `requires_reference`/`critic`/`teacher`/`step_rewards`/`whole_groups`) say
@@ -175,7 +182,7 @@ class RLAlgorithm(LegacyMembers, Algorithm):
     What only some algorithms need is an opt-in capability (`alignflow.core.rl.capabilities`); the members
     inherited from `LegacyMembers` are deprecated aliases of those, kept for one release."""
 
-    stage: ClassVar[str] = "rl"
+    stage: ClassVar[str] = "rl"  # the stage kind RL algorithms serve
     needs_old_logprobs: ClassVar[bool] = True  # importance ratios / KL to pi_old
     requires_step_rewards: ClassVar[bool] = False  # a process reward (the `prm` reward) scores each step
     requires_whole_groups: ClassVar[bool] = False  # the loss couples responses of one prompt
@@ -247,6 +254,7 @@ class KLLossConfig(PluginConfig):
     """
 
     kl_loss_coef: float = Field(0.0, ge=0.0)  # beta of a KL-to-reference term in the loss
+    # Schulman's k1 = -log r, k2 = (log r)^2 / 2 or k3 = r - 1 - log r, r = pi_ref / pi_theta
     kl_loss_estimator: Literal["k1", "k2", "k3"] = "k3"
     kl_loss_bias_correction: bool = False  # r x KL estimate per token, as TRL 1.16's default; see the docstring
     # |log r| and |log pi_ref / pi_theta| clamped before exp(), zero gradient past it (verl); None: no clamp (TRL)
@@ -262,12 +270,13 @@ class PolicyGradientConfig(KLLossConfig):
     clip_low: float = Field(0.2, ge=0.0, lt=1.0)  # epsilon_low
     clip_high: float = Field(0.2, ge=0.0)  # epsilon_high
     dual_clip: float | None = Field(None, gt=1.0)  # c of dual-clip PPO; None disables
-    loss_agg_mode: AggMode = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"  # how per-token losses become the step's loss (core/rl/aggregation.py)
 
 
 class PolicyGradient(RLAlgorithm):
     """PPO's clipped surrogate plus an optional KL-to-reference loss; subclasses supply the advantages."""
 
+    # clip ranges, the KL term and its clamps, the aggregation mode
     Config: ClassVar[type[PluginConfig]] = PolicyGradientConfig
     applies_policy_weights: ClassVar[bool] = True  # in `with_kl_loss`, which every policy loss here ends with
 

@@ -11,8 +11,9 @@ from alignflow.core.contracts import PluginConfig
 
 
 class GenerationSettings(PluginConfig):
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1)  # the most tokens generated per completion
     temperature: float = Field(1.0, ge=0.0)  # 0: greedy
+    # nucleus sampling: draw from the fewest tokens whose probability reaches top_p; 1: off
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
@@ -21,7 +22,7 @@ class ModelOptions(PluginConfig):
 
     attn_implementation: str | None = None  # e.g. "sdpa", "eager", "flash_attention_2"; None: transformers' choice
     chat_template: str | None = None  # Jinja text or a file path; None: the tokenizer's own
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run a checkpoint's own modelling code (transformers' flag of that name)
 
 
 def greedy() -> GenerationSettings:
@@ -40,19 +41,23 @@ class TrainSettings(PluginConfig):
     """What every training stage shares: the optimiser, schedule, batching and engine."""
 
     seed: int | None = None  # None: the pipeline's seed
+    # how the stage loads its models and tokenizer (`ModelOptions`)
     model: ModelOptions = Field(default_factory=ModelOptions)
-    epochs: float = Field(1.0, gt=0.0)
+    epochs: float = Field(1.0, gt=0.0)  # passes over the training rows; a fraction stops part-way
     max_steps: int | None = Field(None, ge=1)  # optimizer steps; overrides epochs when set
     lr: float = Field(1e-4, ge=0.0)  # a pipeline spec also refuses 0 (it trains nothing); tests freeze with it
+    # after the warmup: constant, or linear or cosine decay to 0 at the last step
     lr_scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    weight_decay: float = 0.0
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    warmup_ratio: float = Field(0.0, ge=0.0, le=1.0)  # share of the steps over which the lr rises linearly to `lr`
+    weight_decay: float = 0.0  # decoupled (AdamW) or L2 (sgd) weight decay
+    optimizer: Literal["adamw", "sgd"] = "adamw"  # torch's AdamW (fused where the device has it) or SGD with `momentum`
     momentum: float = Field(0.0, ge=0.0, lt=1.0)  # sgd only
     batch_size: int = Field(16, ge=1)  # sequences per optimizer step, all ranks together
     micro_batch_size: int = Field(16, ge=1)  # sequences per forward pass on one rank
+    # tokens of prompt and completion; the completion is cut, a row whose prompt fills it dropped
     max_length: int = Field(512, ge=8)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this; 0: no clipping
+    # DeepSpeed ZeRO: 1 partitions optimizer states over ranks, 2 also gradients, 3 also weights
     zero_stage: Literal[0, 1, 2, 3] = 0
     # ZeRO-Offload (arXiv 2101.06840) / ZeRO-Infinity (arXiv 2104.07857): keep the fp32 master weights,
     # gradients and Adam moments (16 of the 18 bytes a parameter's states cost under bf16) in CPU memory and
@@ -68,6 +73,7 @@ class TrainSettings(PluginConfig):
     log_every: int = Field(10, ge=1)  # optimizer steps between metric logs
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # training rows held out for the held-out loss
     eval_limit: int | None = Field(None, ge=1)  # eval_dataset prompts scored at the end (None: all)
+    # how `eval_dataset` prompts are sampled at the end; greedy unless given a temperature
     eval_generation: GenerationSettings = Field(default_factory=greedy)
 
     _greedy_eval = field_validator("eval_generation", mode="before")(greedy_unless_said)
@@ -152,12 +158,14 @@ class PolicySettings(TrainSettings):
 class RLSettings(PolicySettings):
     """Online RL: `max_steps` counts rollouts; `batch_size`/`micro_batch_size` count sequences."""
 
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1)  # prompts drawn for each rollout, each sampled `group_size` times
     group_size: int = Field(8, ge=1)  # G completions per prompt
     ppo_epochs: int = Field(1, ge=1)  # mu: update passes over each rollout batch
     batch_size: int | None = Field(None, ge=1)  # sequences per optimizer step; None: the whole rollout
-    lr: float = Field(1e-6, ge=0.0)
+    lr: float = Field(1e-6, ge=0.0)  # lower than the training stages' default: RL moves a trained policy
+    # RL's default keeps the lr flat after the warmup
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    # how the rollouts are sampled (temperature 1 by default)
     generation: GenerationSettings = Field(default_factory=GenerationSettings)
     max_steps: int | None = Field(None, ge=1)  # rollouts (generate, score, update); overrides epochs when set
     save_every: int = Field(50, ge=1)  # rollouts between resumable checkpoints
@@ -205,7 +213,7 @@ class RLSettings(PolicySettings):
     # `overlap_threads` are the same settings' earlier names.
     async_rollouts: bool | Literal["auto"] = Field("auto", validation_alias=AliasChoices("async_rollouts",
                                                                                           "overlap_rollouts"))
-    async_threads: int = Field(1, ge=1, validation_alias=AliasChoices("async_threads", "overlap_threads"))
+    async_threads: int = Field(1, ge=1, validation_alias=AliasChoices("async_threads", "overlap_threads"))  # worker's
     max_staleness: int = Field(1, ge=0)  # k: updates between a rollout's weights and the update using it, at most
     # Which weights the worker generates a step's round on. pinned: those of the update k before it (exactly k
     # stale; runs are reproducible bit for bit). latest: the newest when the round starts (at most k; depends on
@@ -240,17 +248,17 @@ class PRMSettings(TrainSettings):
 
 
 class SelectSettings(PluginConfig):
-    seed: int | None = None
+    seed: int | None = None  # None: the pipeline's seed
     allow_empty: bool = False  # a dataset output of no rows fails the stage unless this is set
 
 
 class SamplingSettings(PluginConfig):
     """What every stage that samples without training takes."""
 
-    seed: int | None = None
-    model: ModelOptions = Field(default_factory=ModelOptions)
+    seed: int | None = None  # None: the pipeline's seed
+    model: ModelOptions = Field(default_factory=ModelOptions)  # how the stage loads its model and tokenizer
     n: int = Field(4, ge=1)  # completions per prompt
-    generation: GenerationSettings = Field(default_factory=GenerationSettings)
+    generation: GenerationSettings = Field(default_factory=GenerationSettings)  # how completions are sampled
 
 
 def sampled_rows(output: str) -> str:
@@ -322,14 +330,14 @@ class StepLabelSettings(SamplingSettings):
     n: int = Field(4, ge=1)  # solutions sampled per prompt; each distinct one is labelled
     rollouts: int = Field(8, ge=1)  # completions of each step prefix (Math-Shepherd's N)
     label: Literal["hard", "soft"] = "hard"  # any rollout correct, or the share that is
-    step_separator: str = Field("\n", min_length=1)
+    step_separator: str = Field("\n", min_length=1)  # the text between a solution's steps: each step prefix ends at one
     allow_empty: bool = False  # no row written fails the stage unless this is set
 
 
 class EvaluateSettings(SamplingSettings):
     k: list[int] = Field(default_factory=lambda: [1])  # pass@k for each k <= n
-    n: int = Field(1, ge=1)
-    generation: GenerationSettings = Field(default_factory=greedy)
+    n: int = Field(1, ge=1)  # completions per prompt; pass@k needs k <= n
+    generation: GenerationSettings = Field(default_factory=greedy)  # greedy unless the block gives a temperature
     _greedy = field_validator("generation", mode="before")(greedy_unless_said)
     limit: int | None = Field(None, ge=1)  # score only the first `limit` prompts
     group_by: str | None = "level"  # a column to report accuracy per value of, when rows have it

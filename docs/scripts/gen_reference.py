@@ -1,169 +1,31 @@
 """Build-time reference pages (mkdocs-gen-files): written from the code on every `mkdocs build`, so they
-cannot drift from it. Each page is one function below; a name the code gained without a description here
-(an environment variable) fails the build."""
+cannot drift from it. The pages are built in reference_pages.py and api_pages.py; the results pages' plots in
+plots.py. A name the code gained without a description (an environment variable) fails the build."""
 
 from __future__ import annotations
 
-import os
-import re
+import sys
 from pathlib import Path
 
 import mkdocs_gen_files
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("core", "flows", "plugins")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # mkdocs-gen-files runs this file, not a package
 
-# What each ALIGNFLOW_ variable the code reads does; the build fails on one missing here or no longer read.
-ENVIRONMENT = {
-    "ALIGNFLOW_PLUGINS": "comma-separated entry-point or distribution names: only those load "
-                         "(`ALIGNFLOW_PLUGINS=alignflow` loads only the built-ins)",
-    "ALIGNFLOW_PARALLEL_STAGES": "training, sampling and evaluation stages that may run at once, each on 1/N of "
-                                 "the torch threads; `run --parallel` wins (default: one per 8 CPU cores)",
-    "ALIGNFLOW_NPROC": "data-parallel processes per node for each stage but `select`; `--nproc` wins (default 1)",
-    "ALIGNFLOW_NNODES": "machines that run each data-parallel stage's ranks together; `--nnodes` wins (default 1)",
-    "ALIGNFLOW_NODE_RANK": "this machine's place, 0 to N-1; node 0 runs the pipeline; `--node-rank` wins",
-    "ALIGNFLOW_RDZV_ENDPOINT": "node 0's `HOST:PORT` where the nodes meet (c10d rendezvous); `--rdzv-endpoint` wins",
-    "ALIGNFLOW_POOL_TIMEOUT": "seconds a stage sent to a work pool waits for a worker before it is cancelled (600)",
-    "ALIGNFLOW_CACHE": "local cache of a URL artifact store: stages run there and inputs are downloaded once "
-                       "(default `~/.cache/alignflow`)",
-    "ALIGNFLOW_ARTIFACT_LOCK": "`lease` (default): one run of a stage at a time on any machine; `none` when only "
-                               "one run writes at a time on a backend that cannot create a file only if absent",
-    "ALIGNFLOW_LOCK_LEASE_S": "seconds after its last heartbeat that a dead run's stage lock may be taken (120)",
-    "ALIGNFLOW_AUTO_PRECISION": "`fp32` or `bf16-mixed`: what `precision: auto` resolves to, without probing the "
-                                "hardware (the test suite sets `fp32`, so its exact comparisons agree on every "
-                                "CPU); unset: auto decides",
-    "ALIGNFLOW_AUTO_OVERLAP": "`false`: `overlap_rollouts: auto` stays off (the test suite sets it, so its exact "
-                              "comparisons see the synchronous rl stage); unset: auto decides",
-    "ALIGNFLOW_ROW": "set by the `openai_agent` environment for the program it starts per episode: the dataset row "
-                     "as JSON (also on its standard input); not read by alignflow",
-    "ALIGNFLOW_SEED": "set by the `openai_agent` environment for the program it starts per episode: the episode's "
-                      "seed; not read by alignflow",
-    "ALIGNFLOW_OWN_PROCESS_GROUP": "internal: set beside RANK, WORLD_SIZE and MASTER_* when alignflow formed a "
-                                   "one-process group itself, so processes started from it do not take them for a "
-                                   "launcher's; not for users",
-}
+from plots import all_plots  # noqa: E402
+from reference_pages import all_pages  # noqa: E402
 
+# Where a generated page's edit link points (relative to docs/): the code it is generated from.
+SOURCES = {"cli.md": "../flows/cli.py", "settings": "../core/spec/settings.py",
+           "stage-kinds.md": "../core/spec/kinds.py",
+           "api/contracts.md": "../core/contracts.py", "api/rl.md": "../core/rl/algorithm.py",
+           "api/environments.md": "../core/environments/contract.py", "api/python.md": "../flows/api.py"}
 
-def cli_page() -> str:
-    """`alignflow --help` and each subcommand's help, as argparse prints them at 100 columns."""
-    os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width; fix it so the page is stable
-    from alignflow.flows.cli import build_parser
-
-    parser = build_parser()
-    parser.prog = "alignflow"
-    subs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    out = ["# Command line", "", "Generated from the argument parser of `alignflow` at build time.", "",
-           "```text", parser.format_help().rstrip(), "```"]
-    for name, sub in subs.choices.items():
-        out += ["", f"## alignflow {name}", "", "```text", sub.format_help().rstrip(), "```"]
-    return "\n".join(out) + "\n"
-
-
-# Descriptions of the spec fields whose source has none (a field that disappears fails the build).
-FIELD_NOTES = {
-    "PipelineSpec.name": "the pipeline's name; its final model is registered in MLflow under it",
-    "PipelineSpec.description": "one line for people; not part of any digest",
-    "PipelineSpec.seed": "the seed of every stage that sets none (loop round r: seed + r - 1)",
-    "PipelineSpec.stages": "stage name -> stage, or -> a loop (`repeat`, `first`, `stages`)",
-    "StageSpec.kind": "what the stage does ([stage kinds](stage-kinds.md))",
-    "StageSpec.inputs": "input name -> a local path, a hub id, `builtin:tiny`, or `stage:NAME` (another stage's output)",
-    "StageSpec.algorithm": "the training objective (training kinds)",
-    "StageSpec.rewards": "rewards, weighted and summed (RL, sampling, evaluation; a `select` stage's scores)",
-    "StageSpec.sampler": "what generates (stages that sample; default `hf`)",
-    "StageSpec.selectors": "row selectors applied in order (`select` stages)",
-    "StageSpec.settings": "validated by the kind's settings model ([settings](settings.md))",
-    "LoopSpec.repeat": "rounds to run; not part of any digest, so raising it runs only the new rounds",
-    "LoopSpec.first": "what round 1 reads for `stage:X@prev`: loop stage X -> `stage:NAME` outside the loop",
-    "LoopSpec.stages": "the stages of one round; `stage:X` is X of the same round, `stage:X@prev` of the previous",
-    "PluginRef.name": "a registered plugin's name (`alignflow plugins`)",
-    "PluginRef.config": "validated by the plugin's `Config`; `${inputs.NAME}` becomes the stage's input NAME",
-    "RewardRef.weight": "the reward's weight in the stage's total",
-}
-
-
-def pipeline_page() -> str:
-    """The fields of a pipeline YAML, from the pydantic models that parse it."""
-    from alignflow.core.describe import model_table
-    from alignflow.core.spec.rounds import LoopSpec
-    from alignflow.core.environments.mcp import McpServer
-    from alignflow.core.spec.schema import PipelineSpec, PluginRef, RewardRef, StageSpec
-    from alignflow.core.spec.stage import EnvironmentRef
-
-    out = ["# Pipeline YAML", "", "Generated from the pydantic models that parse a pipeline file. Unknown fields "
-           "are errors. A stage's `settings` are validated by its kind's model ([settings](settings.md)); a "
-           "plugin's `config` by the plugin's own `Config` ([plugins](plugins.md)).", ""]
-    for title, model in (("The pipeline", PipelineSpec), ("A stage", StageSpec), ("A loop", LoopSpec),
-                         ("A plugin reference", PluginRef), ("A reward reference", RewardRef),
-                         ("An environment reference", EnvironmentRef), ("An MCP server", McpServer)):
-        owners = [cls.__name__ for cls in reversed(model.__mro__)]  # a base's note serves a subclass
-        notes = {k.split(".", 1)[1]: v for k, v in FIELD_NOTES.items() if k.split(".", 1)[0] in owners}
-        stale = {k for k in FIELD_NOTES if k.startswith(model.__name__ + ".")} - \
-            {f"{model.__name__}.{name}" for name in model.model_fields}
-        if stale:
-            raise SystemExit(f"docs/scripts/gen_reference.py FIELD_NOTES: {model.__name__} has no field {stale}")
-        out += [f"## {title}: `{model.__name__}`", "", model_table(model, notes), ""]
-    out += ["A plugin reference may be a bare name (`algorithm: grpo`) or `{name: grpo, config: {...}}`.", ""]
-    return "\n".join(out)
-
-
-def kinds_table() -> str:
-    """The stage-kind table, from the one record per kind."""
-    from alignflow.core.spec.kinds import kinds_markdown
-
-    return kinds_markdown()
-
-
-def kinds_page() -> str:
-    return "\n".join(["# Stage kinds", "", "Generated from the stage-kind records at build time. What each kind "
-                      "does is in [Pipelines](../concepts/pipelines.md).", "", kinds_table(), ""])
-
-
-def settings_page() -> str:
-    from alignflow.core.describe import settings_tables
-
-    return "\n".join(["# Stage settings", "", "Generated from `core/spec/settings.py` at build time: each stage kind's "
-                      "`settings:` model, then the nested blocks. Unknown fields are errors.", "",
-                      settings_tables(), ""])
-
-
-def plugins_page() -> str:
-    """Every built-in plugin with its config fields, from the registry."""
-    from alignflow.core.describe import plugin_fields_table
-    from alignflow.core.plugins import KINDS, get_plugins
-
-    entries = [e for e in get_plugins().entries() if e.distribution == "alignflow"]
-    out = ["# Built-in plugins", "", "Generated from the plugin registry at build time (`alignflow plugins show "
-           "NAME` prints the same for any installed plugin). Config fields go under the plugin's `config:` in a "
-           "pipeline.", ""]
-    for kind in KINDS.values():  # every plugin kind, in the hooks' order
-        out += [f"## {kind.capitalize()}s", ""]
-        for entry in (e for e in entries if e.kind == kind):
-            stage = getattr(entry.obj, "stage", "") if kind == "algorithm" else ""
-            out += [f"### `{entry.name}`", "", (f"*{stage} stages.* " if stage else "") + entry.description, "",
-                    plugin_fields_table(entry.obj), ""]
-    return "\n".join(out)
-
-
-def environment_page() -> str:
-    """Every ALIGNFLOW_ variable the source reads, with what it does."""
-    found = set()
-    for folder in SOURCES:
-        for path in (ROOT / folder).rglob("*.py"):
-            found |= set(re.findall(r"ALIGNFLOW_[A-Z_]+[A-Z]", path.read_text()))
-    missing, stale = sorted(found - set(ENVIRONMENT)), sorted(set(ENVIRONMENT) - found)
-    if missing or stale:
-        raise SystemExit(f"docs/scripts/gen_reference.py ENVIRONMENT: describe {missing}, drop {stale}")
-    rows = ["| variable | what it does |", "|---|---|"] + [f"| `{k}` | {ENVIRONMENT[k]} |" for k in sorted(found)]
-    return "\n".join(["# Environment variables", "", "Every `ALIGNFLOW_*` variable the code reads (the list is "
-                      "checked against the source at build time). A command-line flag, where there is one, wins.",
-                      "", *rows, "", "Other libraries' variables alignflow sets or honours: `OMP_WAIT_POLICY` "
-                      "(set to `PASSIVE` unless set: [threads](../guides/threads.md)), `MLFLOW_TRACKING_URI`, "
-                      "`PREFECT_API_URL` ([tracking](../guides/tracking.md)).", ""])
-
-
-PAGES = {"cli.md": cli_page, "pipeline.md": pipeline_page, "stage-kinds.md": kinds_page,
-         "settings.md": settings_page, "plugins.md": plugins_page, "environment.md": environment_page}
-
-for name, page in PAGES.items():
+for name, text in all_pages().items():
     with mkdocs_gen_files.open(f"reference/{name}", "w") as f:
-        f.write(page())
+        f.write(text)
+    source = SOURCES.get(name) or SOURCES.get(name.split("/")[0].removesuffix(".md"))
+    mkdocs_gen_files.set_edit_path(f"reference/{name}", source or "scripts/reference_pages.py")
+
+for name, svg in all_plots().items():
+    with mkdocs_gen_files.open(name, "w") as f:
+        f.write(svg)

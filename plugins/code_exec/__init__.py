@@ -61,11 +61,12 @@ class CodeExec:
     """
 
     class Config(PluginConfig):
+        # all: 1 when every test passes, else 0; fraction: the share that pass
         score: Literal["all", "fraction"] = "all"
         workers: int = Field(4, ge=1, description="samples run at once")
-        cpu_s: int = Field(5, ge=1)
+        cpu_s: int = Field(5, ge=1)  # CPU seconds of one sample (RLIMIT_CPU)
         wall_s: float = Field(10.0, gt=0, description="wall clock of one sample, all its tests and clean-up")
-        memory_mb: int = Field(1024, ge=64)
+        memory_mb: int = Field(1024, ge=64)  # address space of one sample's processes (RLIMIT_AS), in MiB
         processes: int = Field(32, ge=1, description="process/thread limit of one sample")
         scratch_mb: int = Field(64, ge=1, description="size of the sample's tmpfs (working folder, /tmp; /dev/shm)")
         isolation: Literal["auto", "namespaces", "basic"] = Field(
