@@ -213,7 +213,8 @@ class RLSettings(PolicySettings):
     # `overlap_threads` are the same settings' earlier names.
     async_rollouts: bool | Literal["auto"] = Field("auto", validation_alias=AliasChoices("async_rollouts",
                                                                                           "overlap_rollouts"))
-    async_threads: int = Field(1, ge=1, validation_alias=AliasChoices("async_threads", "overlap_threads"))  # worker's
+    async_threads: int = Field(1, ge=1,  # the rollout worker's torch threads
+                               validation_alias=AliasChoices("async_threads", "overlap_threads"))
     max_staleness: int = Field(1, ge=0)  # k: updates between a rollout's weights and the update using it, at most
     # Which weights the worker generates a step's round on. pinned: those of the update k before it (exactly k
     # stale; runs are reproducible bit for bit). latest: the newest when the round starts (at most k; depends on
