@@ -168,6 +168,7 @@ class AsyncRollouts(Sampler):
         self.lags: Counter = Counter()  # samples per staleness, since `take_metrics`
         self.tokens: Counter = Counter()  # generated tokens per staleness
         self.waited = self.idle = 0.0
+        self.interrupted = 0  # samples whose generation switched weights (`partial`)
 
     def load(self, model, tokenizer) -> None:
         self.inner.load(model, tokenizer)
@@ -205,19 +206,21 @@ class AsyncRollouts(Sampler):
         for row in g.versions or [[version] * len(c) for c in g.completion_ids]:
             self.lags[self.version - min(row, default=version)] += 1
             self.tokens.update(self.version - v for v in row)
+            self.interrupted += len(set(row)) > 1
 
     def take_metrics(self) -> dict[str, float]:
         """Since the last call: the most and the mean updates between a sample's weights and these, the share
-        of samples at each staleness and of tokens, the time the stage waited for the worker and the worker
-        for a request. Samples generated here count as staleness 0."""
+        of samples at each staleness and of tokens, the samples whose generation switched weights, the time the
+        stage waited for the worker and the worker for a request. Samples generated here count as staleness 0."""
         lags, tokens = self.lags, self.tokens
         n, total = sum(lags.values()), sum(tokens.values())
         out = {"rollout/staleness": float(max(lags, default=0)),
                "rollout/staleness_mean": sum(k * v for k, v in lags.items()) / max(n, 1),
+               "rollout/interrupted": float(self.interrupted),
                "time/rollout_wait": self.waited, "time/worker_idle": self.idle,
                **{f"rollout/staleness_share/{k}": v / n for k, v in sorted(lags.items())},
                **{f"rollout/token_share/{k}": v / total for k, v in sorted(tokens.items())}}
-        self.lags, self.tokens, self.waited, self.idle = Counter(), Counter(), 0.0, 0.0
+        self.lags, self.tokens, self.waited, self.idle, self.interrupted = Counter(), Counter(), 0.0, 0.0, 0
         return out
 
     def update_weights(self, model) -> None:
