@@ -232,9 +232,13 @@ def cmd_data(args) -> int:
 
 def cmd_reproduce(args) -> int:
     """Rerun a recorded pipeline run (MLflow parent run id) from scratch and compare its final metrics: exit 0
-    when they match exactly, 3 when the environment differs and they match within --tolerance, else 1."""
+    when they match exactly, 3 when the environment differs and they match within --tolerance, else 1. Given a
+    run record (metrics/NAME.json), rerun one of its seeds and judge it against the record's seed band."""
     from alignflow.flows.reproduce import reproduce  # MLflow, Prefect and torch: not for the quick commands
 
+    if args.run_id.endswith(".json"):  # a committed run record: judged against its seed band (flows/records.py)
+        from alignflow.flows.records import check_record, render
+        return render(check_record(Path(args.run_id), Path.cwd(), RunOptions.from_env(), args.seed), console)
     done = reproduce(args.run_id, Path.cwd(), RunOptions.from_env(), args.tolerance)
     done.report.render(console)
     if done.environment:
@@ -354,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="the JSONL to write")
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
-    p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run")
+    p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run, or a run record (metrics/NAME.json)")
+    p.add_argument("--seed", type=int, help="a record's seed to rerun (default: its first)")
     p.add_argument("--tolerance", type=float, default=REPRODUCE_TOLERANCE,
                    help="where the environment differs: |recorded - now| <= T x max(1, |recorded|) "
                         "(default %(default)g)")
