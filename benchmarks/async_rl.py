@@ -34,10 +34,15 @@ PIPELINE = ROOT / "pipelines" / "async-tiny.yaml"
 PER_STEP = 16 * 8  # prompts_per_step x group_size of the pipeline's grpo stage
 
 
-def run(artifacts: Path, plots: Path, k: str, steps: int, seed: int) -> dict[str, list[float]]:
-    """One pipeline run (the cold start cached); the grpo stage's per-step curves of the metrics it logged. `k`:
-    max_staleness, with `t2` on two torch threads (else one)."""
+def run(shared: Path, plots: Path, k: str, steps: int, seed: int) -> dict[str, list[float]]:
+    """One pipeline run in an artifacts root of its own (the thread count is not in a digest: a shared root would
+    hand a rerun on other threads the cached stage) beside the cold start of `shared`; the grpo stage's per-step
+    curves of the metrics it logged. `k`: max_staleness, with `t2` on two torch threads (else one)."""
     staleness, _, threads = k.partition("t")
+    artifacts = plots.with_name(plots.name + "-artifacts")
+    artifacts.mkdir()
+    if (shared / "cold_start").is_dir():
+        (artifacts / "cold_start").symlink_to(shared / "cold_start")
     sets = {"grpo.settings.max_steps": steps, "grpo.settings.max_staleness": staleness, "grpo.settings.seed": seed}
     cmd = [sys.executable, "-m", "alignflow.flows.cli", "run", str(PIPELINE), "--json", "--artifacts", str(artifacts),
            "--plots", str(plots)] + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
@@ -45,6 +50,9 @@ def run(artifacts: Path, plots: Path, k: str, steps: int, seed: int) -> dict[str
                           env={**os.environ, "OMP_NUM_THREADS": threads or "1"})
     if done.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    if not (shared / "cold_start").exists():  # the first run trained it: the others take it from there
+        shared.mkdir(parents=True, exist_ok=True)
+        (artifacts / "cold_start").rename(shared / "cold_start")
     curves = {}
     for path in (plots / "grpo").glob("*.csv"):
         with path.open() as f:
@@ -77,7 +85,7 @@ def main() -> None:
     p.add_argument("--ks", nargs="+", default=["0", "0t2", "1", "2", "4"])
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--curve-steps", type=int, default=20)
-    p.add_argument("--artifacts", type=Path, help="artifacts root (keeps the cold start between invocations)")
+    p.add_argument("--artifacts", type=Path, help="where the cold start is kept between invocations")
     args = p.parse_args()
     info = lscpu()
     flags = set(info.get("Flags", "").split())
