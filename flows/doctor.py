@@ -150,5 +150,6 @@ def report(lock_path: Path, strict: bool, show_all: bool, console) -> int:
                   "code_exec refuses with `isolation: namespaces` and otherwise runs model code with weaker "
                   "isolation (rlimits and a fresh uid); no other reward needs it"), highlight=False, soft_wrap=True)
     if not found and why is None:
-        console.print("[green]as locked[/green]: a run here should land in the published band of its CPU kind")
+        console.print("[green]as locked[/green]: a run here computes with the published results' versions; what "
+                      "remains is the CPU kind's and the seed's spread")
     return 1 if strict and (found or why is not None) else 0
