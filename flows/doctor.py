@@ -67,8 +67,10 @@ def lock_python(path: Path) -> str | None:
 
 def compare(lock: dict[str, str]) -> list[Pin]:
     """Each locked package with the version installed here, in the lock's order."""
-    installed = {normal(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()
-                 if d.metadata["Name"]}
+    installed: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():  # in sys.path order: the first is the one imported; later
+        if dist.metadata["Name"]:                    # copies (setuptools' _vendor on sys.path) are shadowed
+            installed.setdefault(normal(dist.metadata["Name"]), dist.version)
     return [Pin(name, version, installed.get(normal(name))) for name, version in lock.items()]
 
 

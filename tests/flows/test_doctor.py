@@ -36,6 +36,17 @@ def test_a_wrong_pin_and_a_missing_package_are_reported_with_what_they_mean(tmp_
     assert "not installed" in found["no-such-package missing, locked 1.0"]
 
 
+def test_a_shadowed_copy_later_on_sys_path_is_not_the_installed_version(tmp_path, monkeypatch):
+    """setuptools puts its _vendor folder (older packaging, zipp, ...) at the end of sys.path once imported."""
+    dist = tmp_path / "rich-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rich\nVersion: 0.0.1\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    real = importlib.metadata.version("rich")
+    (pin,) = compare({"rich": real})
+    assert pin.installed == real and pin.same
+
+
 def test_a_lock_line_that_is_not_a_pin_names_the_file_and_line(tmp_path):
     lock = tmp_path / "lock.txt"
     lock.write_text("torch==2.13.0\ntransformers>=5\n")
