@@ -1,4 +1,5 @@
 import importlib.metadata
+import io
 import os
 import subprocess
 import sys
@@ -61,17 +62,29 @@ def test_the_cpu_kind_says_which_band_to_compare_with():
     assert "AVX2 band" in avx2 and "ATEN_CPU_CAPABILITY" not in avx2 and "bf16" not in avx2
 
 
-@pytest.mark.system
-def test_doctor_exits_0_unless_strict_and_names_the_wrong_pin(tmp_path):
+def test_doctor_reports_a_wrong_pin_and_exits_0_unless_strict(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from alignflow.flows import doctor
+
     lock = tmp_path / "lock.txt"
     lock.write_text((REPO / LOCK).read_text().replace("\ntransformers==", "\ntransformers==0.0.1\n#"))
-    run = [sys.executable, "-m", "alignflow.flows.cli", "doctor", "--lock", str(lock)]
-    env = {**os.environ, "COLUMNS": "400"}  # one line per finding, as the asserts read them
-    done = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr
-    assert "transformers" in done.stdout and "locked 0.0.1): different" in done.stdout
-    assert "numbers may differ from the published ones within their seed band" in done.stdout
-    assert "cpu: " in done.stdout and "bubblewrap: " in done.stdout
-    strict = subprocess.run([*run, "--strict"], capture_output=True, text=True, timeout=120, env=env)
-    assert strict.returncode == 1, strict.stdout + strict.stderr
+    monkeypatch.setattr(doctor, "bubblewrap", lambda: None)  # its probe starts a sandbox: the system test's
+    out = io.StringIO()
+    assert doctor.report(lock, strict=False, show_all=False, console=Console(file=out, width=400)) == 0
+    text = out.getvalue()
+    assert "transformers" in text and "locked 0.0.1): different" in text and "torch " in text
+    assert "numbers may differ from the published ones within their seed band" in text
+    assert "cpu: " in text and "bubblewrap: works" in text and "as locked:" not in text  # no all-clear
+    assert doctor.report(lock, strict=True, show_all=False, console=Console(file=io.StringIO())) == 1
+    assert doctor.report(REPO / LOCK, strict=True, show_all=False, console=Console(file=io.StringIO())) == 0
 
+
+@pytest.mark.system
+def test_the_command_probes_bubblewrap_and_exits_1_under_strict_with_a_wrong_pin(tmp_path):
+    lock = tmp_path / "lock.txt"
+    lock.write_text((REPO / LOCK).read_text().replace("\ntransformers==", "\ntransformers==0.0.1\n#"))
+    run = [sys.executable, "-m", "alignflow.flows.cli", "doctor", "--lock", str(lock), "--strict"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "400"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "locked 0.0.1): different" in done.stdout and "bubblewrap: " in done.stdout
