@@ -2,7 +2,7 @@
 and standard error of the chosen metrics.
 
     python benchmarks/seed_band.py --pipeline pipelines/agent-tiny.yaml --metric accuracy \\
-        --metric reward/total/mean ARTIFACTS_ROOT:SEED [ARTIFACTS_ROOT:SEED ...] > metrics/agent-tiny.json
+        --metric reward/total/mean ARTIFACTS_ROOT:SEED [ARTIFACTS_ROOT:SEED ...] > metrics/bands/agent-tiny.json
 
 Each ARTIFACTS_ROOT is the `--artifacts` folder of one `alignflow run PIPELINE --set seed=SEED`; the record holds,
 per seed and stage, the manifest's digest, seed, fingerprint and metrics, and per stage and metric the mean over

@@ -20,7 +20,7 @@ from alignflow.core.train.memory import gib, parse_size, pipeline_memory
 from alignflow.core.plugins import get_plugins
 from alignflow.flows.api import run_checked
 from alignflow.flows.launch.child import configure_logging
-from alignflow.flows.data import DATA_DIR, reasoning_gym_data, reasoning_gym_steps_data, regenerate_data
+from alignflow.flows.data import DATA_DIR, WRITERS, add_sources, regenerate_data
 from alignflow.flows.diagram import mermaid
 from alignflow.flows.launch.nodes import LAUNCHER_VARS, launched_by_deepspeed
 from alignflow.flows.options import REPRODUCE_TOLERANCE, RunOptions, stage_count
@@ -209,18 +209,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_data(args) -> int:
-    """Regenerate the bundled datasets in data/ (byte-identical: data.dvc stays unchanged), the tool-use task's
-    (`data tool-use`), or write a reasoning-gym task's rows (`data reasoning-gym TASK`), or worked step-wise
-    solutions of several (`data reasoning-gym-steps --tasks A,B`)."""
-    if args.source in ("reasoning-gym", "reasoning-gym-steps"):
-        for line in (reasoning_gym_data if args.source == "reasoning-gym" else reasoning_gym_steps_data)(args):
+    """Regenerate every dataset under data/ (byte-identical: data.dvc stays unchanged): the bundled task's and the
+    recipes' (data/tool-use, data/reasoning-gym, data/multidomain); or write one source's (`data tool-use`,
+    `data reasoning-gym TASK`, worked step-wise solutions of several: `data reasoning-gym-steps --tasks A,B`)."""
+    if args.source:
+        for line in WRITERS[args.source](args):
             console.print(line)
-        return 0
-    if args.source == "tool-use":
-        from alignflow.core.task.tool_use import write_tool_datasets
-
-        for name, path in write_tool_datasets(Path(args.out)).items():
-            console.print(f"{name}: {path}")
         return 0
     if (Path.cwd() / DATA_DIR).is_dir() and not args.force:
         console.print(f"{DATA_DIR}/ exists; pass --force to rewrite it")
@@ -261,6 +255,14 @@ def cmd_reproduce(args) -> int:
         where = f"within tolerance {done.tolerance:g}" if done.environment else "exactly"
         console.print(f"[red]not reproduced[/red] ({where})")
     return done.code
+
+
+def cmd_doctor(args) -> int:
+    """Compare this environment with the lock (requirements/lock-cpu.txt), and show the CPU kind and whether
+    bubblewrap works: what each difference means for reproducing the published numbers; exit 0 unless --strict."""
+    from alignflow.flows.doctor import default_lock, report  # torch: not for the quick commands
+
+    return report(args.lock or default_lock(), args.strict, args.all, console)
 
 
 def cmd_deploy(args) -> int:
@@ -331,31 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="rewrite data/ even when it exists")
     p.set_defaults(func=cmd_data, source=None)
     sources = p.add_subparsers(dest="source")
-    q = sources.add_parser("tool-use", help="the bundled tool-use task: a sloppy teacher's transcripts, rl and "
-                           "test prompts (the same bytes each time)")
-    q.add_argument("--out", default="data-tool-use", help="the folder to write (default data-tool-use)")
-    q = sources.add_parser("reasoning-gym", help="rows of a reasoning-gym task, generated from a seed")
-    q.add_argument("task", help="the task's name, e.g. chain_sum, basic_arithmetic, leg_counting")
-    q.add_argument("--size", type=int, default=500, help="rows (default 500)")
-    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0); row i comes from seed + i, "
-                   "so sets from seeds closer than their size share rows")
-    q.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                   help="the task's own options, e.g. min_terms=2 (repeatable)")
-    q.add_argument("--exclude", action="append", default=[], metavar="JSONL",
-                   help="skip rows whose prompt is in this file (a training set, for a test set); repeatable")
-    q.add_argument("--out", help="the JSONL to write (default data-reasoning-gym/TASK-seedS-N.jsonl)")
-    q = sources.add_parser("reasoning-gym-steps", help="rows of several reasoning-gym tasks with worked, step-wise "
-                           "solutions by a clean or sloppy teacher (plugins/reasoning_gym_steps.py)")
-    q.add_argument("--tasks", required=True, help="comma-separated, e.g. chain_sum,spell_backward,count_bits")
-    q.add_argument("--size", type=int, default=500, help="rows per task (default 500)")
-    q.add_argument("--seed", type=int, default=0, help="the generator's seed (default 0)")
-    q.add_argument("--teacher", choices=("clean", "sloppy"), default="clean", help="sloppy: one slip in half the "
-                   "solutions, followed through (default clean)")
-    q.add_argument("--exclude", action="append", default=[], metavar="JSONL", help="skip rows whose prompt is in this "
-                   "file; repeatable")
-    q.add_argument("--columns", help="comma-separated columns to keep (default all), e.g. prompt,completion,task "
-                   "for an sft file")
-    q.add_argument("--out", required=True, help="the JSONL to write")
+    add_sources(sources)
 
     p = sub.add_parser("reproduce", help=cmd_reproduce.__doc__)
     p.add_argument("run_id", help="the MLflow run id of a pipeline (parent) run, or a run record (metrics/NAME.json)")
@@ -364,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the environment differs: |recorded - now| <= T x max(1, |recorded|) "
                         "(default %(default)g)")
     p.set_defaults(func=cmd_reproduce)
+
+    p = sub.add_parser("doctor", help=cmd_doctor.__doc__)
+    p.add_argument("--lock", type=Path, help="the lock to compare with (default requirements/lock-cpu.txt)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a package or Python differs from the lock "
+                   "or bubblewrap does not work")
+    p.add_argument("--all", action="store_true", help="list every locked package, not only those that compute")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("deploy", help=cmd_deploy.__doc__)
     p.add_argument("pipeline", help="path to a pipeline YAML")

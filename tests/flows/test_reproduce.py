@@ -198,14 +198,18 @@ def clone(tmp_path_factory) -> Path:
 
 
 def test_dvc_yaml_runs_valid_pipelines_and_its_lock_is_current(clone):
-    """Every stage runs `alignflow run` on a valid spec it depends on, declares the metrics and plots the
-    command writes, and, once the committed dvc.lock records it, is up to date in a fresh clone."""
+    """Every stage runs `alignflow run` on a valid spec it depends on, with the data folders it reads, declares
+    the metrics and plots the command writes, and, once the committed dvc.lock records it, is up to date in a
+    fresh clone."""
     stages = yaml.safe_load((clone / "dvc.yaml").read_text())["stages"]
+    assert {"r1-tiny", "tools-tiny", "reasoning-gym-tiny", "multidomain-prm-tiny", "gigpo-tiny"} <= set(stages)
     for name, stage in stages.items():
         args = stage["cmd"].split()
-        assert args[:2] == ["alignflow", "run"], name
-        load_pipeline(clone / args[2], [])  # the spec and its plugin configs validate
-        assert {args[2], "data"} <= set(stage["deps"]), name
+        assert args[:2] == ["alignflow", "run"] and args[2] == f"pipelines/{name}.yaml", name
+        spec = load_pipeline(clone / args[2], [])  # the spec and its plugin configs validate
+        assert args[2] in stage["deps"], name
+        for path in (Path(v) for s in spec.stages.values() for v in s.inputs.values() if v.startswith("data/")):
+            assert path.parent.as_posix() in stage["deps"], (name, path)  # its data folder: a change reruns it
         assert [next(iter(m)) for m in stage["metrics"]] == [args[args.index("--metrics") + 1]], name
         assert [next(iter(p)) for p in stage["plots"]] == [args[args.index("--plots") + 1]], name
 

@@ -1,0 +1,70 @@
+"""A figure a page quotes from a committed record is held by that record: `<!-- record: PATH -->` on a page
+vouches for the rest of its paragraph, or, ending one, for the next paragraph or table; every decimal number there
+must equal, at the precision the page gives it, some number in the record (metrics/*.json)."""
+
+import json
+import re
+from decimal import ROUND_HALF_EVEN, Decimal
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+MARKER = re.compile(r"<!--\s*record:\s*(\S+)\s*-->")
+DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")  # 0.738, not 2.13.0, a commit or a file name
+
+
+def vouched(text: str) -> list[tuple[str, str]]:
+    """(record path, the text it vouches for) for each marker of a page."""
+    found = []
+    for m in MARKER.finditer(text):
+        rest = text[m.end():]
+        own = rest.split("\n\n", 1)[0]
+        if not own.strip():  # the marker ends its paragraph: the next one (a table, usually)
+            own = rest.lstrip("\n").split("\n\n", 1)[0]
+        found.append((m.group(1), own))
+    return found
+
+
+def numbers(node) -> list[float]:
+    """Every number in a parsed JSON record."""
+    if isinstance(node, dict):
+        return [x for v in node.values() for x in numbers(v)]
+    if isinstance(node, list):
+        return [x for v in node for x in numbers(v)]
+    return [float(node)] if isinstance(node, (int, float)) and not isinstance(node, bool) else []
+
+
+def held(figure: str, values: list[float]) -> bool:
+    """Whether a page's figure is some record value rounded to the figure's decimals."""
+    step = Decimal(1).scaleb(-len(figure.split(".")[1]))
+    return any(Decimal(repr(v)).quantize(step, ROUND_HALF_EVEN) == Decimal(figure) for v in values)
+
+
+MARKED = [(page, path, text) for page in PAGES for path, text in vouched(page.read_text())]
+
+
+@pytest.mark.parametrize("page,record,text", MARKED, ids=[f"{p.name}:{r}" for p, r, _ in MARKED])
+def test_every_figure_a_record_vouches_for_is_in_it(page, record, text):
+    path = ROOT / record
+    assert path.is_file(), f"{page.name}: <!-- record: {record} --> names no committed file"
+    values = numbers(json.loads(path.read_text()))
+    figures = DECIMAL.findall(text)
+    assert figures, f"{page.name}: <!-- record: {record} --> vouches for no figure"
+    missing = [f for f in figures if not held(f, values)]
+    assert not missing, f"{page.name} states {', '.join(missing)}, which {record} does not hold"
+
+
+def test_the_readme_headlines_are_vouched_for():
+    """A marker taken out would silence the check: the README's results keep theirs."""
+    records = {record for page, record, _ in MARKED if page.name == "README.md"}
+    assert {"metrics/r1-tiny.json", "metrics/bands/agent-tiny.json"} <= records
+
+
+def test_a_figure_no_record_holds_is_caught():
+    text = "A table:<!-- record: x -->\n\n| a | 0.738 |\n| b | 0.7 |\n\nnot this 0.5\n"
+    (record, block), = vouched(text)
+    assert block == "| a | 0.738 |\n| b | 0.7 |" and DECIMAL.findall(block) == ["0.738", "0.7"]
+    assert held("0.738", [0.738]) and held("0.77", [0.7733333333333333]) and held("0.7", [0.6833])
+    assert not held("0.684", [0.6833333333333335]) and not held("0.75", [0.738])
