@@ -75,6 +75,17 @@ def machine(trl_python: str) -> dict:
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
+def cpu_kind(info: dict) -> str:
+    """`machine`'s CPU in one phrase: the model name and the ISA levels that pick its matmul kernels."""
+    flags = info.get("isa_flags")
+    if not flags:
+        return f"{info['cpu_model']} (ISA flags unknown; torch kernels {info['cpu_capability']})"
+    has = lambda *names: any(flags.get(n) for n in names)  # noqa: E731
+    isa = "AVX-512" if has("avx512f") else "AVX2" if has("avx2") else "no AVX2"
+    bf16 = "bf16 in hardware" if has("avx512_bf16", "amx_bf16") else "no bf16 in hardware"
+    return f"{info['cpu_model']} ({isa}, {bf16}; torch kernels {info['cpu_capability']})"
+
+
 def dims(config) -> dict[str, int]:
     """A causal LM config's sizes: hidden H, intermediate I, layers L, vocab V, heads, kv_heads, head_dim."""
     heads = config.num_attention_heads

@@ -23,8 +23,9 @@ Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), e
 (excluded) and then `--steps` measured steps. Ratios are alignflow / TRL, per pair, then the median.
 `machine` says what it ran on; `bound` is torch.mm's GFLOP/s at each phase's matmul shapes, measured in a child
 process of each side's threads before the pairs, and each side's `gflops_per_s` / `share_of_bound` the model
-FLOPs of the work over the phase's time (benchmarks/machine.py). `--trl-best` first times TRL in fp32 and in bf16
-(one process each, 1 warm-up step and 3 measured) and runs the pairs with the faster.
+FLOPs of the work over the phase's time (benchmarks/machine.py). `--trl-best` runs TRL in fp32 and in bf16 in
+every pair (their order alternating) and compares each pair against the faster of the two.
+The first line printed (stderr) and the JSON's `headline` name the CPU kind and both sides' precision.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import get_args
 
 from alignflow.core.spec.settings import TrainSettings
-from machine import achieved, dims, machine, measure_bound
+from machine import achieved, cpu_kind, dims, machine, measure_bound
 
 SIZES = {"tiny": {}, "8m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
                                 num_key_value_heads=4, max_position_embeddings=256)}
@@ -50,7 +51,6 @@ SHAPE = dict(prompts=16, group_size=8, micro_batch=32, accumulation=4, max_new_t
 UPDATE_LENGTH = 40  # tokens per row for the update's bound (prompt + completion: ~33 on the tiny model)
 PRECISIONS = get_args(TrainSettings.model_fields["precision"].annotation)  # the `precision` setting's values
 PARTS = ("generate", "score", "train", "step")
-PROBE_STEPS = 3  # --trl-best's measured steps per precision, after 1 warm-up
 
 
 def alignflow_side(args) -> list[dict]:
@@ -189,7 +189,7 @@ def stage_prompts(args, path: Path) -> None:
     from alignflow.flows.stages.rl.rollout import round_prompts
 
     rows = load_rows(Path(args.dataset), "prompt_answer").to_list()
-    drawn = [rows[i] for step in range(max(args.warmup + args.steps, 1 + PROBE_STEPS))  # --trl-best's probe
+    drawn = [rows[i] for step in range(args.warmup + args.steps)
              for i in round_prompts(step, 0, len(rows), SHAPE["prompts"], 0)]
     path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in drawn))
 
@@ -209,9 +209,24 @@ def side_summary(runs: list[dict], warmup: int) -> dict:
             "skipped_rows": statistics.mean(s.get("skipped_rows", 0.0) for s in steps)}
 
 
-def pair_ratio(a: dict, b: dict, warmup: int) -> float:
-    rate = lambda r: statistics.median(s["completions"] / s["step"] for s in r["steps"][warmup:])  # noqa: E731
-    return rate(a) / rate(b)
+def rate(run: dict, warmup: int) -> float:
+    """A process's median completions/s over its measured steps."""
+    return statistics.median(s["completions"] / s["step"] for s in run["steps"][warmup:])
+
+
+def faster_per_pair(runs: dict[str, list[dict]], warmup: int) -> list[dict]:
+    """Of the TRL runs of each pair (`trl_fp32`, `trl_bf16`), the one with more completions/s."""
+    trl = [runs[k] for k in ("trl_fp32", "trl_bf16") if k in runs]
+    return [max(pair, key=lambda r: rate(r, warmup)) for pair in zip(*trl)]
+
+
+def headline(info: dict, args, ran: str | None = None, trl: list[str] | None = None) -> str:
+    """The CPU kind and both sides' precision in one line: the first line printed, and the JSON's `headline`."""
+    ours = args.precision or "auto"
+    ours = f"{ours} -> {ran}" if ran and ran != ours else ours if ran else f"{ours} (resolved in each process)"
+    theirs = "fp32 and bf16 in every pair, the faster counted" if args.trl_best else args.trl_precision
+    theirs += f" (faster: {', '.join(trl)})" if trl and args.trl_best else ""
+    return f"CPU {cpu_kind(info)}, {args.threads} thread(s); alignflow {ours}; TRL {theirs}"
 
 
 def main() -> None:
@@ -235,7 +250,7 @@ def main() -> None:
     parser.add_argument("--trl-precision", choices=["fp32", "bf16"], default="fp32",
                         help="bf16: GRPOConfig(bf16=True), autocast on the CPU")
     parser.add_argument("--trl-best", action="store_true",
-                        help=f"time TRL in fp32 and bf16 first (1 warm-up + {PROBE_STEPS} steps each), use the faster")
+                        help="run TRL in fp32 and in bf16 in every pair; each pair's ratio is against the faster")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", choices=["alignflow", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
@@ -258,6 +273,7 @@ def measure(args, tmp: Path) -> dict:
     # Taken before the SFT stage's process group sets MASTER_PORT, which the children must not inherit.
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     info = machine(args.trl_python)
+    print(headline(info, args), file=sys.stderr, flush=True)
     model = prepare_model(args, tmp)
     prompts = tmp / "prompts.jsonl"
     stage_prompts(args, prompts)
@@ -265,33 +281,48 @@ def measure(args, tmp: Path) -> dict:
 
     d = dims(AutoConfig.from_pretrained(model))
     bounds = side_bounds(args, model, d, env, info["trl_env"].get("torch"))
-    probe = trl_probe(args, model, prompts, tmp, env) if args.trl_best else None
-    runs: dict[str, list[dict]] = {"alignflow": [], "trl": []}
-    for pair in range(args.pairs):
-        for side in runs:
-            runs[side].append(run_side(args, side, model, prompts, tmp / f"{side}{pair}", env, args.warmup,
-                                       args.steps, args.trl_precision, f"pair {pair} {side}"))
+    runs = run_pairs(args, model, prompts, tmp, env)
     prompt_tokens = step_prompt_tokens(model, prompts)
-    for run in runs["alignflow"] + runs["trl"]:
+    for run in (r for side in runs.values() for r in side):
         for i, s in enumerate(run["steps"]):
             s["prompt_tokens"] = prompt_tokens[i]
     from alignflow.core.train.models import load_model
 
-    ratios = [pair_ratio(a, b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
+    runs["trl"] = faster_per_pair(runs, args.warmup)
+    chosen = [r["precision"] for r in runs["trl"]]
+    best = {"chosen": chosen, "completions_per_s": {p: [round(rate(r, args.warmup), 3) for r in runs[f"trl_{p}"]]
+                                                    for p in ("fp32", "bf16")}} if args.trl_best else None
+    if not args.trl_best:
+        del runs[f"trl_{args.trl_precision}"]
+    ratios = [rate(a, args.warmup) / rate(b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
     info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    return {"machine": info,
+    return {"headline": headline(info, args, runs["alignflow"][0]["precision"], chosen), "machine": info,
             "config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
                        "parameters": sum(p.numel() for p in load_model(model).parameters()), "dims": d,
                        "sampler": args.sampler, "threads": args.threads, "overlap_rollouts": args.overlap,
                        "trl_threads": trl_threads(args), "pairs": args.pairs,
                        "steps_per_process": args.steps, "warmup_steps": args.warmup, **SHAPE,
                        "precision": runs["alignflow"][0]["precision"], "precision_requested": args.precision,
-                       "trl_precision": args.trl_precision, "trl_best": probe},
+                       "trl_precision": "best" if args.trl_best else args.trl_precision, "trl_best": best},
             "bound": bounds,
-            **{side: {**side_summary(runs[side], args.warmup), **flops_summary(runs[side], args.warmup, d,
-                                                                                 bounds[side])} for side in runs},
+            **{side: {**side_summary(runs[side], args.warmup),
+                      **flops_summary(runs[side], args.warmup, d, bounds[side.partition("_")[0]])} for side in runs},
             "completions_per_s_ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                         "pairs": [round(r, 3) for r in ratios]}}
+
+
+def run_pairs(args, model: Path, prompts: Path, tmp: Path, env: dict) -> dict[str, list[dict]]:
+    """`--pairs` rounds of one alignflow process, then TRL's: in `--trl-precision`, or with `--trl-best` in fp32
+    and in bf16, which of the two runs first alternating from pair to pair."""
+    trl = ("fp32", "bf16") if args.trl_best else (args.trl_precision,)
+    runs: dict[str, list[dict]] = {"alignflow": [], **{f"trl_{p}": [] for p in trl}}
+    for pair in range(args.pairs):
+        runs["alignflow"].append(run_side(args, "alignflow", model, prompts, tmp / f"alignflow{pair}", env,
+                                          args.warmup, args.steps, args.trl_precision, f"pair {pair} alignflow"))
+        for p in trl if pair % 2 == 0 else trl[::-1]:
+            runs[f"trl_{p}"].append(run_side(args, "trl", model, prompts, tmp / f"trl_{p}{pair}", env, args.warmup,
+                                             args.steps, p, f"pair {pair} trl {p}"))
+    return runs
 
 
 def trl_threads(args) -> int:
@@ -316,19 +347,6 @@ def run_side(args, side: str, model: Path, prompts: Path, work: Path, env: dict,
     out = json.loads(result.read_text())
     print(f"{label}: {[round(s['step'], 2) for s in out['steps']]} s/step", file=sys.stderr)
     return out
-
-
-def trl_probe(args, model: Path, prompts: Path, tmp: Path, env: dict) -> dict:
-    """TRL's median step in fp32 and in bf16 (one process each, 1 warm-up step, then PROBE_STEPS); the faster
-    becomes `--trl-precision`. One measured step was too few: it once picked fp32 by 0.45 against 0.48 s, and
-    fp32 then ran 0.505 s a step in the pairs where bf16 ran 0.406."""
-    step_s = {}
-    for precision in ("fp32", "bf16"):
-        run = run_side(args, "trl", model, prompts, tmp / f"probe-{precision}", env, 1, PROBE_STEPS, precision,
-                       f"probe trl {precision}")
-        step_s[precision] = round(statistics.median(step["step"] for step in run["steps"][1:]), 3)
-    args.trl_precision = min(step_s, key=step_s.get)
-    return {"step_s": step_s, "chosen": args.trl_precision}
 
 
 def side_bounds(args, model: Path, d: dict, env: dict, trl_torch: str | None) -> dict[str, dict]:
@@ -357,14 +375,14 @@ def step_prompt_tokens(model: Path, prompts: Path) -> list[int]:
 def flops_summary(runs: list[dict], warmup: int, d: dict, bound: dict) -> dict:
     """Median achieved GFLOP/s per phase over the measured steps, and its share of the bound at the side's
     resolved precision (fp32's bound for fp32, bf16's for bf16 and bf16-mixed)."""
-    rates = [achieved(d, s, SHAPE["prompts"] * SHAPE["group_size"]) for r in runs for s in r["steps"][warmup:]]
-    precision = runs[0]["precision"]
-    out: dict = {"precision": precision, "gflops_per_s": {}, "share_of_bound": {}}
+    rows = SHAPE["prompts"] * SHAPE["group_size"]
+    rates = [(achieved(d, s, rows), "fp32" if r["precision"] == "fp32" else "bf16")
+             for r in runs for s in r["steps"][warmup:]]  # with --trl-best, TRL's runs can differ in precision
+    out: dict = {"precision": "+".join(sorted({r["precision"] for r in runs})), "gflops_per_s": {},
+                 "share_of_bound": {}}
     for phase in ("generate", "update"):
-        key = "fp32" if precision == "fp32" else "bf16"
-        rate = statistics.median(r[phase] for r in rates)
-        out["gflops_per_s"][phase] = round(rate, 2)
-        out["share_of_bound"][phase] = round(rate / bound[phase][key], 3)
+        out["gflops_per_s"][phase] = round(statistics.median(r[phase] for r, _ in rates), 2)
+        out["share_of_bound"][phase] = round(statistics.median(r[phase] / bound[phase][k] for r, k in rates), 3)
     return out
 
 if __name__ == "__main__":

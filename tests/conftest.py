@@ -5,7 +5,7 @@ in-process), `system` (Prefect servers, subprocesses, signals, nodes, work pools
 explicit marker (a decorator or a module's `pytestmark`), else `system` when it uses a fixture that starts a server,
 else `stage` when it uses the tiny model, else `unit`. Outside `system`, starting a process (other than a library's
 probe of the machine) fails the test, so a test cannot drift out of that tier unnoticed. `pytest -m "not system"`
-is the inner loop; CI runs all.
+is the inner loop; CI runs all, in two pytest-xdist workers (helpers/workers.py: which tests share a worker).
 """
 
 import os
@@ -27,10 +27,12 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from helpers.tiers import default_tier, tiers_of  # noqa: E402
+from helpers.workers import group_by_module  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
+        group_by_module(item)  # under `-n N --dist loadgroup`: a module's shared fixtures are built once
         if tiers_of(item):
             continue
         item.add_marker(default_tier(item))
