@@ -106,6 +106,31 @@ def test_no_source_file_over_400_lines(name):
     assert lines <= MAX_LINES, f"{SOURCES[name].relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
 
 
+def _wide_functions(tree: ast.AST, most: int) -> list[str]:
+    """`name (count)` of each function taking more than `most` parameters, positional and keyword-only (not self,
+    cls, *args or **kwargs)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            n = len([x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")])
+            if n > most:
+                out.append(f"{node.name}:{node.lineno} ({n})")
+    return out
+
+
+def test_rl_stage_functions_take_at_most_7_parameters():
+    """The rl stage passes its `Parts` or a record built once in `build`, not loose values from call to call."""
+    wide = {str(p.relative_to(ROOT)): found for p in sorted((ROOT / "flows/stages/rl").glob("*.py"))
+            if (found := _wide_functions(ast.parse(p.read_text()), 7))}
+    assert wide == {}
+
+
+def test_the_parameter_count_counts_keyword_only_and_not_self():
+    tree = ast.parse("class A:\n def f(self, a, b, *rest, c, d=1, **kw): pass\ndef g(a, /, b): pass")
+    assert _wide_functions(tree, 3) == ["f:2 (4)"] and _wide_functions(tree, 4) == []
+
+
 def _pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 

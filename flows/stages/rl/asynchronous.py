@@ -99,11 +99,24 @@ class Preempt:
         return self.version
 
 
-def _worker(sampler_cls, config, template, staging, tokenizer, threads, mode, requests, results) -> None:
-    torch.set_num_threads(threads)
+@dataclass(frozen=True)
+class Worker:
+    """What the worker process starts from: the stage's sampler class and config, a bare copy of the policy, the
+    tokenizer, its torch threads and the `async_weights` mode."""
+
+    sampler_cls: type
+    config: object
+    template: torch.nn.Module
+    tokenizer: object
+    threads: int
+    mode: str
+
+
+def _worker(setup: Worker, staging, requests, results) -> None:
+    torch.set_num_threads(setup.threads)
     keep_freed_memory()  # as the stage's process does on a CPU (the worker runs on a CPU only)
-    model = template.eval()
-    sampler = sampler_cls(config)
+    model, tokenizer, mode = setup.template.eval(), setup.tokenizer, setup.mode
+    sampler = setup.sampler_cls(setup.config)
     sampler.load(model, tokenizer)
     version, idle_from, parent = 0, time.perf_counter(), os.getppid()
     while (item := _next(requests, parent)) is not None:
@@ -160,8 +173,8 @@ class AsyncRollouts(Sampler):
         self.staging = Staging(model, staleness + 1, ctx)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.process = ctx.Process(target=_worker, daemon=True, name="alignflow-rollouts",
-                                   args=(type(inner), inner.config, bare_copy(model), self.staging, tokenizer,
-                                         threads, weights, self.requests, self.results))
+                                   args=(Worker(type(inner), inner.config, bare_copy(model), tokenizer, threads,
+                                                weights), self.staging, self.requests, self.results))
         self.process.start()
         self.version = 0  # updates published so far
         self.pending: list[Request] = []  # submitted, in the order the worker answers them

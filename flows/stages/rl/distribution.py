@@ -5,6 +5,7 @@ no_grad, so at most one micro-batch's [b, T, V] teacher logits exist at a time, 
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,10 @@ from torch import Tensor
 from alignflow.core.rl.algorithm import PolicyBatch, sampler_corrected
 from alignflow.core.train.logits import entropy_from_logits, logprobs_from_logits
 from alignflow.core.train.models import position_ids
+
+if TYPE_CHECKING:
+    from alignflow.flows.stages.rl.stage import Parts
+    from alignflow.flows.stages.rl.update import Targets
 
 
 def response_logits(model, ids: Tensor, attention: Tensor, start: int, temperature: float) -> Tensor:
@@ -34,19 +39,20 @@ def columns(batch: PolicyBatch, start: int, stop: int) -> PolicyBatch:
     return replace(batch, **cut)
 
 
-def distribution_step(model, teacher, algo, rollout, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-                      ids: Tensor, attention: Tensor, mask: Tensor, temperature: float,
+def distribution_step(p: "Parts", t: "Targets", rows: Tensor, cut: tuple[Tensor, Tensor, Tensor],
                       policy_weights: Tensor | None = None):
-    """(per-token loss, metrics, the batch view it is aligned with, [b, T] entropy) of one micro-batch;
-    `policy_weights` ([b, T], the rows' sampler correction) reach the loss in the view."""
+    """(per-token loss, metrics, the batch view it is aligned with, [b, T] entropy) of micro-batch `rows` (`cut`:
+    its ids, attention and response mask); `policy_weights` ([b, T], the rows' sampler correction) reach the
+    loss in the view."""
+    (ids, attention, mask), algo, temperature = cut, p.algo, p.knobs.temperature
     start, width = first_response_column(mask), ids.shape[1]
-    student = response_logits(model, ids, attention, start, temperature)
+    student = response_logits(p.engine.model, ids, attention, start, temperature)
     with torch.no_grad():
-        teacher_logits = response_logits(teacher, ids, attention, start, temperature)
+        teacher_logits = response_logits(p.teacher, ids, attention, start, temperature)
     logprobs = F.pad(logprobs_from_logits(student, ids[:, start:]), (start, 0)) * mask
-    wide = F.pad(logprobs, (0, rollout.response_mask.shape[1] - width))
-    view = columns(rollout.minibatch(rows, logprobs=wide, advantages=advantages, returns=returns,
-                                     policy_weights=policy_weights), start, width)
+    wide = F.pad(logprobs, (0, t.batch.rollout.response_mask.shape[1] - width))
+    view = columns(t.batch.rollout.minibatch(rows, logprobs=wide, advantages=t.advantages, returns=t.returns,
+                                             policy_weights=policy_weights), start, width)
     per_token, metrics = sampler_corrected(algo, view, lambda b: algo.distribution_loss(b, student, teacher_logits))
     with torch.no_grad():
         entropy = F.pad(entropy_from_logits(student.detach()), (start, 0)) * mask

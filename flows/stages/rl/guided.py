@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from alignflow.core import seeds
 from alignflow.core.train.dist import rank_and_world
@@ -18,21 +19,23 @@ from alignflow.flows.stages.rl.rollout import Batch, Samples, generate_round, wh
 from alignflow.flows.stages.rl.update import stitched
 from alignflow.flows.stages.scoring import prompt_ids
 
+if TYPE_CHECKING:
+    from alignflow.flows.stages.rl.stage import Parts
 
-def with_guided(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, tokenizer, rewards, algo,
-                process_reward=None) -> tuple[Samples, dict[str, float]]:
-    """`kept` followed by its accepted guided samples (none unless the algorithm has `GuidedSamples`), and
-    the guided metrics. `sources[g]`: group g's dataset row."""
-    if not has(algo, GuidedSamples):
+
+def with_guided(ctx, p: "Parts", step: int, kept: Samples, sources: dict[int, dict]) -> tuple[Samples, dict[str, float]]:
+    """`kept` followed by its accepted guided samples (none unless `p.algo` has `GuidedSamples`), and the guided
+    metrics. `sources[g]`: group g's dataset row."""
+    if not has(p.algo, GuidedSamples):
         return kept, {}
-    guided, metrics = explain(ctx, step, kept, sources, sampler, tokenizer, rewards, algo, process_reward)
+    guided, metrics = explain(ctx, p, step, kept, sources)
     return (kept if guided is None else Samples.join([kept, guided])), metrics
 
 
-def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, tokenizer, rewards, algo,
-            process_reward=None) -> tuple[Samples | None, dict[str, float]]:
+def explain(ctx, p: "Parts", step: int, kept: Samples, sources: dict[int, dict]) -> tuple[Samples | None, dict[str, float]]:
     """The guided samples of the kept groups with no correct completion, scored as any completion, the
     correct ones kept as `guided` rows of their group. Not counted in the prompt draw's success table."""
+    algo = p.algo
     if algo.guided_samples < 1:
         return None, {}
     start = time.perf_counter()
@@ -45,12 +48,11 @@ def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, to
         return None, metrics
     rank, world = rank_and_world()
     mine = hints[rank::world]
-    samples = Samples([], [], [], [], [], [], [], {r.name: [] for r in rewards.rewards},
-                      [] if process_reward is not None else None)  # a rank with no hint still joins the gather
-    if mine:
-        samples, _ = generate_round(sampler, tokenizer, [{**sources[g], "prompt": hint} for g, hint in mine],
-                                    algo.guided_samples, ctx.settings.generation, seeds.guided(ctx.seed, step, rank),
-                                    rewards, [g for g, _ in mine], process_reward)
+    samples = Samples([], [], [], [], [], [], [], {r.name: [] for r in p.rewards.rewards},
+                      [] if p.process_reward is not None else None)  # a rank with no hint still joins the gather
+    if mine:  # plain completions after the hint, even on a stage with episodes
+        samples, _ = generate_round(p, [{**sources[g], "prompt": hint} for g, hint in mine], [g for g, _ in mine],
+                                    algo.guided_samples, ctx.settings.generation, seeds.guided(ctx.seed, step, rank))
     samples = whole_round(samples)
     ok = [i for i, correct in enumerate(samples.correct) if correct]
     metrics.update({"guided/rows": float(len(ok)), "guided/accept_rate": len(ok) / len(samples),
@@ -58,7 +60,7 @@ def explain(ctx, step: int, kept: Samples, sources: dict[int, dict], sampler, to
     if not ok:  # no self-explanation reached the answer: nothing to add
         return None, metrics
     accepted = replace(samples.take(ok), counts={}, guided=[True] * len(ok))
-    accepted.prompt_ids = prompt_ids(tokenizer, [sources[g] for g in accepted.group])
+    accepted.prompt_ids = prompt_ids(p.tokenizer, [sources[g] for g in accepted.group])
     return accepted, metrics
 
 

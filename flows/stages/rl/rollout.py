@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,8 @@ from alignflow.flows.stages.rl.costs import cost_label, reward_components, turn_
 from alignflow.flows.stages.scoring import generate_and_score, prompt_ids
 from alignflow.flows.stages.training import step_rows
 
+if TYPE_CHECKING:
+    from alignflow.flows.stages.rl.stage import Parts
 
 
 @dataclass
@@ -117,12 +120,13 @@ def round_share(ctx, step: int, round_: int, dataset: list[dict], draw=None,
     return index, list(range(rank, len(index), world)), seeds.rollout(ctx.seed, step, round_, rank)
 
 
-def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int, rewards,
-                   groups: list[int], process_reward=None, episodes=None) -> tuple[Samples, dict[str, float]]:
-    """G completions (with `episodes`, G multi-turn episodes) for each of `rows` (group `groups[i]` for row i),
-    scored (and their steps, given a process reward); timings."""
+def generate_round(p: "Parts", rows: list[dict], groups: list[int], G: int, gen, seed: int,
+                   episodes=None) -> tuple[Samples, dict[str, float]]:
+    """G completions (with `episodes`, G multi-turn episodes) for each of `rows` (group `groups[i]` for row i)
+    from `p.sampler`, scored by `p.rewards` (and their steps, by `p.process_reward` if any); timings."""
     start = time.perf_counter()
-    scored = generate_and_score(sampler, tokenizer, rows, G, gen, seed, rewards, episodes=episodes)
+    tokenizer, process_reward = p.tokenizer, p.process_reward
+    scored = generate_and_score(p.sampler, tokenizer, rows, G, gen, seed, p.rewards, episodes=episodes)
     g = scored.generation
     gen_s = g.timings.get("generate_s", time.perf_counter() - start)
     prompts = prompt_ids(tokenizer, rows) if g.prompt_ids is None else None
@@ -145,37 +149,36 @@ def generate_round(sampler, tokenizer, rows: list[dict], G: int, gen, seed: int,
     return samples, {"generate": gen_s, "score": time.perf_counter() - start - gen_s}
 
 
-def collect(ctx, step: int, dataset: list[dict], sampler, tokenizer, rewards, algo, pad_id: int,
-            process_reward=None, draw=None, episodes=None):
-    """One step's samples: generate and score rounds, keep what `algo.filter_groups` keeps, refill up to
-    `algo.max_gen_batches` rounds (0: until full) for a `Regenerate` algorithm, trim to `draw.per_step` groups
-    (without a `PromptDraw`: `prompts_per_step`); the draw records every completion's success. Returns the
-    kept samples, all drawn ones, metrics, and each group's dataset row.
+def collect(ctx, p: "Parts", step: int):
+    """One step's samples: generate and score rounds of `p.dataset`'s rows, keep what `algo.filter_groups` keeps,
+    refill up to `algo.max_gen_batches` rounds (0: until full) for a `Regenerate` algorithm, trim to
+    `draw.per_step` groups (`draw`: `p.prompts`; without a `PromptDraw`: `prompts_per_step`); the draw records
+    every completion's success. Returns the kept samples, all drawn ones, metrics, and each group's dataset row.
 
     On several ranks each generates for its share of a round's prompts, and every rank then holds
     the whole round, so the filter, the advantages and the update see the rollout one process would.
     """
-    s = ctx.settings
+    s, algo, dataset, draw, episodes = ctx.settings, p.algo, p.dataset, p.prompts, p.episodes
     G, want = s.group_size, s.prompts_per_step if draw is None else draw.per_step
     kept, n_kept, drawn, rounds, filtered = [], 0, [], 0, 0
     sources = {}  # group id -> its dataset row
     times = {"generate": 0.0, "score": 0.0}
     cap, cost = algo.max_gen_batches if has(algo, Regenerate) else 1, cost_label(algo)
-    components, anchor = reward_components(algo, rewards), turn_anchor(algo)
+    components, anchor = reward_components(algo, p.rewards), turn_anchor(algo)
+    pad_id, budget = p.tokenizer.pad_token_id, completion_budget(s.generation, episodes)
     while n_kept < want and (cap == 0 or rounds < cap):
         index, mine, seed = round_share(ctx, step, rounds, dataset, draw)
         rows = [dataset[i] for i in index]
         sources.update({rounds * want + i: row for i, row in enumerate(rows)})
-        samples, t = generate_round(sampler, tokenizer, [rows[i] for i in mine], G, s.generation, seed, rewards,
-                                    [rounds * want + i for i in mine], process_reward, episodes)
+        samples, t = generate_round(p, [rows[i] for i in mine], [rounds * want + i for i in mine], G,
+                                    s.generation, seed, episodes)
         samples = whole_round(samples)
         if draw is not None:
             draw.record([index[g - rounds * want] for g in samples.group], samples.correct)
         times = {k: times[k] + t[k] for k in times}
         keep = torch.ones(len(samples), dtype=torch.bool)  # the default filter keeps all: no batch to build
         if getattr(type(algo), "filter_groups", None) is not RLAlgorithm.filter_groups:
-            keep = algo.filter_groups(to_batch(samples, pad_id, completion_budget(s.generation, episodes), cost,
-                                               components, anchor).rollout)
+            keep = algo.filter_groups(to_batch(samples, pad_id, budget, cost, components, anchor).rollout)
         passing = sorted({samples.group[i] for i in keep.nonzero().flatten().tolist()})
         filtered += len(rows) - len(passing)
         groups = passing[: want - n_kept]

@@ -41,7 +41,7 @@ from alignflow.flows.stages.rl.rollout import Batch, Samples, collect, completio
 from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teacher, minibatches_per_rollout,
                                              async_choice, process_reward, rl_steps)
 from alignflow.flows.stages.rl.state import checkpoint_state, consumed_entry, resume
-from alignflow.flows.stages.rl.update import Correction, critic_values, prepare, rollout_stats, update
+from alignflow.flows.stages.rl.update import Knobs, Targets, critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
 from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
     save_pretrained
@@ -64,6 +64,7 @@ class Parts:
     tokenizer: Any
     dataset: list[dict]
     n_minibatches: int  # optimizer steps per epoch over a rollout
+    knobs: Knobs  # the settings each step's forwards and updates read
     process_reward: Any = None  # the reward that scores each step, for `requires_step_rewards`
     teacher: torch.nn.Module | None = None  # frozen, for `requires_teacher`
     replay: ReplayBuffer | None = None  # groups of earlier steps, for algorithms that replay them
@@ -102,7 +103,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     rewards = reward_set(ctx)  # `${inputs.reward_model}` / `${inputs.prm}` in a config become those inputs
     process = process_reward(ctx, rewards) if algo.requires_step_rewards else None
     replay, prompts, consumed = resume(ctx, algo, engine.data_state or {}, len(dataset))  # goes on as it was
-    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches,
+    return Parts(algo, engine, critic, reference, sampler, rewards, tokenizer, dataset, n_minibatches, Knobs.of(s),
                  process, teacher, replay=replay, prompts=prompts, episodes=episodes_of(ctx), consumed=consumed), total
 
 
@@ -200,8 +201,7 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
     p.replay.add(step, fresh, batch.rollout)
     advantages, returns = p.algo.advantages(batch.rollout)
     trained = time.perf_counter()
-    metrics.update(update(p.engine, p.critic, p.algo, batch, advantages, returns, s, p.n_minibatches,
-                          temperature(s), seeds.generator(seeds.minibatches(ctx.seed, step)), teacher=p.teacher))
+    metrics.update(update(p, Targets(batch, advantages, returns), seeds.generator(seeds.minibatches(ctx.seed, step))))
     p.sampler.update_weights(p.engine.module)
     end = time.perf_counter()
     generated = float(sum(len(c) for c in drawn.completion_ids))
@@ -215,25 +215,18 @@ def rl_step(ctx: StageContext, p: Parts, step: int) -> dict[str, float]:
 
 def rollouts(ctx: StageContext, p: Parts, step: int) -> tuple[Samples, Samples, dict[str, float]]:
     """The step's kept samples (its guided samples after them), everything generated, and their metrics."""
-    kept, drawn, metrics, sources = collect(ctx, step, p.dataset, p.sampler, p.tokenizer, p.rewards, p.algo,
-                                            p.tokenizer.pad_token_id, p.process_reward, p.prompts, p.episodes)
-    kept, guided = with_guided(ctx, step, kept, sources, p.sampler, p.tokenizer, p.rewards, p.algo,
-                               p.process_reward)
+    kept, drawn, metrics, sources = collect(ctx, p, step)
+    kept, guided = with_guided(ctx, p, step, kept, sources)
     return kept, drawn, {**metrics, **guided}
-
-
-def temperature(s) -> float:
-    """The temperature of the trainer's log-probs: the sampler's; greedy sampling scores the plain softmax."""
-    return s.generation.temperature if s.generation.temperature > 0 else 1.0
 
 
 def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picked: list[dict]) -> Batch:
     """The padded batch with the forward passes this algorithm needs before its advantages, and no other."""
-    s = ctx.settings
-    logprobs = partial(policy_logprobs, temperature=temperature(s), packed=s.pack_sequences)
+    s, k = ctx.settings, p.knobs
+    logprobs = partial(policy_logprobs, temperature=k.temperature, packed=k.packed)
     fill = {}
     p.sampler.release()  # a GPU engine frees its memory while the trainer steps
-    corrects = Correction.of(s) is not None  # pi_old / mu needs the trainer's pi_old
+    corrects = k.correction is not None  # pi_old / mu needs the trainer's pi_old
     if s.recompute_old_logprobs or corrects or (kept.logprobs is None and p.algo.needs_old_logprobs):
         fill["old_logprobs"] = logprobs(p.engine.model)
     if p.reference is not None:
@@ -245,10 +238,10 @@ def scored_batch(ctx: StageContext, p: Parts, kept: Samples, n_fresh: int, picke
     batch = to_batch(kept, p.tokenizer.pad_token_id, completion_budget(s.generation, p.episodes), cost_label(p.algo),
                      reward_components(p.algo, p.rewards), turn_anchor(p.algo))
     with p.engine.autocast():  # policy, reference, teacher and critic in the policy's precision
-        batch = prepare(batch.to(p.engine.device), s.micro_batch_size, **fill)
+        batch = prepare(batch.to(p.engine.device), k.micro, **fill)
         # Guided rows were sampled after a hinted prompt: their pi_old is a forward after the plain one (already
         # taken when `fill` recomputed pi_old for every row).
-        batch = rescore_guided(batch, s.micro_batch_size,
+        batch = rescore_guided(batch, k.micro,
                                None if "old_logprobs" in fill else logprobs(p.engine.model))
     # A replayed row keeps the pi_old it was trained on when fresh, whatever `fill` recomputed for it now.
     return restore(batch, n_fresh, picked)

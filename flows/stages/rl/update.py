@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,9 @@ from alignflow.core.rl.parts import LOG_RATIO_CLAMP, advantage_metrics, kl_estim
 from alignflow.flows.stages.rl.distribution import distribution_step
 from alignflow.flows.stages.rl.rollout import Batch
 from alignflow.flows.stages.rl.shard import Shard
+
+if TYPE_CHECKING:
+    from alignflow.flows.stages.rl.stage import Parts
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,31 @@ class Correction:
     def of(cls, s) -> "Correction | None":
         """The stage settings' correction, None where the sampler's log-probs are pi_old as they are."""
         return cls(s.tis_cap, s.icepop) if s.decoupled or s.tis_cap is not None or s.icepop is not None else None
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings a step's forwards and updates read, fixed for the stage (read once, in `build`)."""
+
+    temperature: float  # of the trainer's log-probs: the sampler's; greedy sampling scores the plain softmax
+    packed: bool  # pack_sequences
+    micro: int  # micro_batch_size
+    epochs: int  # ppo_epochs
+    correction: Correction | None
+
+    @classmethod
+    def of(cls, s) -> "Knobs":
+        temperature = s.generation.temperature if s.generation.temperature > 0 else 1.0
+        return cls(temperature, s.pack_sequences, s.micro_batch_size, s.ppo_epochs, Correction.of(s))
+
+
+@dataclass(frozen=True)
+class Targets:
+    """A rollout ready for the update: the padded batch, its advantages and returns (None without a critic)."""
+
+    batch: Batch
+    advantages: Tensor
+    returns: Tensor | None
 
 
 def chunks(rows: Tensor, size: int) -> list[Tensor]:
@@ -83,47 +111,41 @@ def minibatches(group: Tensor, n: int, generator: torch.Generator) -> list[Tenso
     return [torch.isin(inverse, part).nonzero().flatten() for part in order.tensor_split(n)]
 
 
-def update(engine, critic, algo, batch: Batch, advantages: Tensor, returns: Tensor | None, settings,
-           n_minibatches: int, temperature: float, generator: torch.Generator, teacher=None) -> dict[str, float]:
-    """mu epochs over the rollout in `n_minibatches` minibatches, one optimizer step each.
+def update(p: "Parts", t: Targets, generator: torch.Generator) -> dict[str, float]:
+    """mu epochs over the rollout in `p.n_minibatches` minibatches, one optimizer step each.
 
     On several ranks each takes its `Shard` of a minibatch's micro-batches; the step's loss is normalised
-    over all of them (`step_norm`), so the gradient is the one-process gradient. `teacher`: the frozen teacher
-    model, run per micro-batch for a `TeacherDistributions` algorithm that uses its logits.
+    over all of them (`step_norm`), so the gradient is the one-process gradient.
     """
-    r, s, shard = batch.rollout, settings, Shard.current()
-    inert = algo.inert_rows(r, advantages)
-    forward = partial(micro_step, engine, critic, algo, batch, advantages=advantages, returns=returns,
-                      temperature=temperature, packed=s.pack_sequences,
-                      teacher=teacher if has(algo, TeacherDistributions) and algo.uses_teacher_logits else None)
+    r, k, engine, critic, shard = t.batch.rollout, p.knobs, p.engine, p.critic, Shard.current()
+    inert = p.algo.inert_rows(r, t.advantages)
     micro_metrics: dict[str, list[float]] = defaultdict(list)  # one value per micro-batch
     step_metrics: dict[str, list[float]] = defaultdict(list)  # one value per optimizer step, alike on all ranks
     step_losses: list[float] = []  # this rank's share of each step's loss
     entropy = torch.zeros(2, device=r.rewards.device)  # sum over response tokens, token count
-    for epoch in range(s.ppo_epochs):
-        for index, minibatch in enumerate(minibatches(r.group, n_minibatches, generator)):
-            micro = chunks(minibatch, s.micro_batch_size)
-            norm = engine.step_norm([r.response_mask[m] for m in shard.mine(micro)], algo.norm_constant(r))
-            micro, weight = trained(micro, minibatch, inert, s.micro_batch_size)
+    for epoch in range(k.epochs):
+        for index, minibatch in enumerate(minibatches(r.group, p.n_minibatches, generator)):
+            micro = chunks(minibatch, k.micro)
+            norm = engine.step_norm([r.response_mask[m] for m in shard.mine(micro)], p.algo.norm_constant(r))
+            micro, weight = trained(micro, minibatch, inert, k.micro)
             step_loss = 0.0
             for rows in shard.mine(micro):
-                metrics, ent = forward(rows, norm=norm, weight=weight, correction=Correction.of(s),
-                                       measure=epoch == 0 and index == 0)
+                metrics, ent = micro_step(p, t, rows, norm, weight, measure=epoch == 0 and index == 0)
                 if epoch == 0:
                     entropy += ent
                 step_loss += float(metrics.pop("actor/loss"))
-                for k, v in metrics.items():
-                    micro_metrics[k].append(float(v))
+                for name, v in metrics.items():
+                    micro_metrics[name].append(float(v))
             if shard.idle(micro):
-                forward(micro[0], norm=norm, weight=0.0)
+                micro_step(p, t, micro[0], norm, 0.0, corrected=False)
             step_losses.append(step_loss)
-            for k, v in engine.step().items():
-                step_metrics[f"actor/{k}"].append(v)
-            for k, v in (critic.step() if critic is not None else {}).items():
-                step_metrics[f"critic/{k}"].append(v)
+            for name, v in engine.step().items():
+                step_metrics[f"actor/{name}"].append(v)
+            for name, v in (critic.step() if critic is not None else {}).items():
+                step_metrics[f"critic/{name}"].append(v)
     micro_metrics, step_losses = shard.merge(micro_metrics, step_losses)
     shard.sum(entropy)
-    out = {k: sum(v) / len(v) for k, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
+    out = {name: sum(v) / len(v) for name, v in {**micro_metrics, **step_metrics, "actor/loss": step_losses}.items()}
     out["actor/entropy"] = (entropy[0] / entropy[1].clamp(min=1)).item()
     out["actor/skipped_rows"] = 0.0 if inert is None else inert.float().mean().item()
     return out
@@ -138,30 +160,31 @@ def trained(micro: list[Tensor], minibatch: Tensor, inert: Tensor | None, size: 
     return (chunks(live, size), 1.0) if len(live) else (micro[:1], 0.0)
 
 
-def micro_step(engine, critic, algo, batch: Batch, rows: Tensor, advantages: Tensor, returns: Tensor | None,
-               norm, temperature: float, weight: float = 1.0, correction: Correction | None = None,
-               measure: bool = False, packed: bool = False, teacher=None) -> tuple[dict[str, Tensor], Tensor]:
+def micro_step(p: "Parts", t: Targets, rows: Tensor, norm, weight: float = 1.0, measure: bool = False,
+               corrected: bool = True) -> tuple[dict[str, Tensor], Tensor]:
     """One forward and backward (of the loss times `weight`): the loss's metrics and the (entropy sum,
-    token count) of the rows. A `correction` weights each token's policy term (`mismatch_weights`), not a
-    KL-to-reference term (`sampler_corrected`). `measure` (the first minibatch, before any update)
-    adds the gap between the sampler's log-probs and the trainer's on the sampled tokens. With a `teacher`, the
-    loss is the algorithm's `distribution_loss` on both models' logits (`distribution_step`)."""
-    r, width = batch.rollout, batch.rollout.response_mask.shape[1]
-    ids, attention, mask = batch.view(rows)
+    token count) of the rows. The stage's correction (`corrected`) weights each token's policy term
+    (`mismatch_weights`), not a KL-to-reference term (`sampler_corrected`). `measure` (the first minibatch, before
+    any update) adds the gap between the sampler's log-probs and the trainer's on the sampled tokens. With a
+    teacher whose logits the algorithm uses (`TeacherDistributions`), the loss is its `distribution_loss` on both
+    models' logits (`distribution_step`)."""
+    engine, critic, algo, k = p.engine, p.critic, p.algo, p.knobs
+    correction = k.correction if corrected else None
+    r, width = t.batch.rollout, t.batch.rollout.response_mask.shape[1]
+    ids, attention, mask = t.batch.view(rows)
     weights, counted = None, {}
     if r.sampler_logprobs is not None and correction is not None:
         weights, counted = mismatch_weights(r.old_logprobs[rows], r.sampler_logprobs[rows], r.response_mask[rows],
                                             correction.tis_cap, correction.icepop)
-    if teacher is not None:
+    if p.teacher is not None and has(algo, TeacherDistributions) and algo.uses_teacher_logits:
         with engine.autocast():  # the loss on the logits too: it upcasts them (core/rl/divergence.py)
-            per_token, metrics, view, entropy = distribution_step(engine.model, teacher, algo, r, rows, advantages,
-                                                                  returns, ids, attention, mask, temperature, weights)
+            per_token, metrics, view, entropy = distribution_step(p, t, rows, (ids, attention, mask), weights)
     else:
         with engine.autocast():
-            logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=temperature,
-                                               return_entropy=True, packed=packed)
+            logprobs, entropy = token_logprobs(engine.model, ids, attention, mask, temperature=k.temperature,
+                                               return_entropy=True, packed=k.packed)
             values = widen(critic_values(critic.model, ids, attention, mask), width) if critic is not None else None
-        view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=advantages, returns=returns,
+        view = r.minibatch(rows, logprobs=widen(logprobs, width), advantages=t.advantages, returns=t.returns,
                            values=values, policy_weights=weights)
         per_token, metrics = sampler_corrected(algo, view)
     metrics.update(counted)

@@ -131,7 +131,7 @@ def test_the_guided_stage_code_runs_for_a_legacy_override(monkeypatch):
 
     asked = []
 
-    def fake_round(sampler, tokenizer, rows, n, gen, seed, rewards, groups, process_reward=None):
+    def fake_round(p, rows, groups, n, gen, seed, episodes=None):
         asked.append(([r["prompt"] for r in rows], n))
         return Samples([[1]] * n * len(rows), [[2]] * n * len(rows), None, [g for g in groups for _ in range(n)],
                        [1.0] * n * len(rows), [True] * n * len(rows), [False] * n * len(rows),
@@ -141,13 +141,12 @@ def test_the_guided_stage_code_runs_for_a_legacy_override(monkeypatch):
     monkeypatch.setattr(guided, "prompt_ids", lambda tok, rows: [[9]] * len(rows))
     kept = Samples([[1]], [[2]], None, [0], [0.0], [False], [False], {"r": [0.0]})
     ctx = SimpleNamespace(settings=RLSettings(), seed=0)
-    rewards = RewardSet([])
-    out, metrics = with_guided(ctx, 0, kept, {0: {"prompt": "1+1=", "answer": "2"}}, None, None, rewards,
-                               GRPO())
+    parts = lambda algo: SimpleNamespace(algo=algo, sampler=None, tokenizer=None, rewards=RewardSet([]),  # noqa: E731
+                                         process_reward=None)
+    out, metrics = with_guided(ctx, parts(GRPO()), 0, kept, {0: {"prompt": "1+1=", "answer": "2"}})
     assert out is kept and metrics == {} and not asked
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # its warning is the test above's
-        out, metrics = with_guided(ctx, 0, kept, {0: {"prompt": "1+1=", "answer": "2"}}, None, None, rewards,
-                                   LegacyGuided())
+        out, metrics = with_guided(ctx, parts(LegacyGuided()), 0, kept, {0: {"prompt": "1+1=", "answer": "2"}})
     assert asked == [(["2|1+1="], 2)] and out.guided == [False, True, True] and metrics["guided/rows"] == 2.0
 

@@ -54,8 +54,10 @@ def collect_step(tiny, reward, dataset):
                           generation={"max_new_tokens": 5, "temperature": 0.8})
     rewards = RewardSet([Reward(reward.__name__, 1.0, reward)])
     ctx, algo = SimpleNamespace(settings=settings, seed=0), ExPO(ExPOConfig(guided_samples=2))
-    kept, drawn, metrics, sources = collect(ctx, 0, dataset, sampler, tok, rewards, algo, tok.pad_token_id)
-    kept, guided = with_guided(ctx, 0, kept, sources, sampler, tok, rewards, algo)
+    p = SimpleNamespace(algo=algo, sampler=sampler, tokenizer=tok, rewards=rewards, dataset=dataset,
+                        process_reward=None, prompts=None, episodes=None)  # the stage's Parts that collect reads
+    kept, drawn, metrics, sources = collect(ctx, p, 0)
+    kept, guided = with_guided(ctx, p, 0, kept, sources)
     return kept, drawn, {**metrics, **guided}, tok, model
 
 
