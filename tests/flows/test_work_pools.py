@@ -36,9 +36,10 @@ from reports import statuses
 
 HEARTBEAT_S = 2  # workers heartbeat each 2 s (Prefect's default: 30), so a dead one is told in ~8 s
 
-# sft saves every 2 of its 10 steps: the worker is killed after the first checkpoint, the pipeline stopped
-# after the next one, each with steps to spare so that neither lands after the stage finished.
-STEPS = 10
+# sft saves every 2 of its 40 steps: the worker is killed after the first checkpoint, the pipeline stopped
+# after the next one, each with steps to spare so that neither lands after the stage finished (with 10 steps,
+# on a loaded machine the stage once finished in the seconds the cancellation took to reach the worker).
+STEPS = 40
 PIPELINE = """
 name: pools
 seed: 0
@@ -52,7 +53,7 @@ stages:
     kind: sft
     inputs: {model: "builtin:tiny", dataset: "stage:data"}
     algorithm: sft
-    settings: {lr: 2.0e-3, max_steps: 10, batch_size: 8, micro_batch_size: 8, max_length: 96,
+    settings: {lr: 2.0e-3, max_steps: 40, batch_size: 8, micro_batch_size: 8, max_length: 96,
                save_every: 2, log_every: 2}
 """
 
