@@ -6,7 +6,8 @@ and standard error of the chosen metrics.
 
 Each ARTIFACTS_ROOT is the `--artifacts` folder of one `alignflow run PIPELINE --set seed=SEED`; the record holds,
 per seed and stage, the manifest's digest, seed, fingerprint and metrics, and per stage and metric the mean over
-seeds and its standard error (the sample standard deviation over sqrt(seeds)).
+seeds and its standard error (the sample standard deviation over sqrt(seeds)), and the numerics epoch of the code
+that wrote it (`alignflow.core.fingerprint.NUMERICS`: a record of an earlier epoch is stale).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def band(values: list[float]) -> dict:
 def main() -> None:
     from machine import git_commit
 
+    from alignflow.core.fingerprint import NUMERICS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pipeline", required=True)
     p.add_argument("--metric", action="append", required=True)
@@ -58,7 +61,7 @@ def main() -> None:
                     for metric in args.metric if all(metric in st.get(name, {}).get("metrics", {})
                                                      for st in seeds.values())}
              for name in names}
-    record = {"pipeline": args.pipeline, "commit": args.code or git_commit(),
+    record = {"pipeline": args.pipeline, "commit": args.code or git_commit(), "numerics": NUMERICS,
               "command": f"alignflow run {args.pipeline} --set seed=SEED", "bands": bands, "seeds": seeds}
     print(json.dumps(record, indent=1, sort_keys=True))
 

@@ -22,6 +22,11 @@ CPUINFO = Path("/proc/cpuinfo")
 # recorded, never compared (`differences`, flows/reproduce.py)
 MEASURED = ("precision_probe_s",)
 NVIDIA_PROC = Path("/proc/driver/nvidia")
+# The numerics epoch: raised, with a changelog line, by a change that moves a stage's numbers on the same inputs,
+# versions and CPU (a kernel, a loss's rounding, an optimizer's fusion). A run record keeps the epoch it was made
+# in; one from an earlier epoch is stale until measured again. 1: since the forward on real tokens, one q/k/v
+# matmul, one log-softmax and fused AdamW (2026-12-05).
+NUMERICS = 1
 
 
 @lru_cache(maxsize=None)

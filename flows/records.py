@@ -5,8 +5,8 @@ digest, fingerprint and final metrics, and per stage and metric the band over th
 the values. The rerun runs the pipeline with one of the record's seeds in a fresh artifacts root; a metric is
 inside the band when it lies within mean +- 2 sample standard deviations of the seeds' values (or between their
 least and greatest): one new draw from the same spread lands there about 95% of the time. Exit 0 inside the band,
-3 outside it where the environment differs from the seed's record (library versions, CPU kind: the band is that
-environment's), 1 outside it in the same environment.
+3 outside it where the environment differs from the seed's record (library versions, CPU kind, or the numerics
+epoch of the code: the band is that environment's), 1 outside it in the same environment.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.fingerprint import NUMERICS
 from alignflow.flows.options import RunOptions
 from alignflow.flows.pipeline import run_pipeline
 from alignflow.flows.report import PipelineReport
@@ -81,6 +82,8 @@ def check_record(path: Path, project: Path, options: RunOptions | None = None, s
         now = {name: flatten(m.get("fingerprint") or {}) for name, m in manifests(root).items()}
     recorded = record["seeds"].get(str(seed)) or next(iter(record["seeds"].values()))
     environment = environment_differences({name: flatten(s["fingerprint"]) for name, s in recorded.items()}, now)
+    if record.get("numerics") != NUMERICS:  # made by code that computed otherwise: the band is that code's
+        environment["numerics"] = (record.get("numerics"), NUMERICS)
     metrics = report.final_metrics()
     outside = {}
     for stage, bands in record["bands"].items():

@@ -9,21 +9,25 @@ from pathlib import Path
 
 import pytest
 
+from alignflow.core.fingerprint import NUMERICS
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-MARKER = re.compile(r"<!--\s*record:\s*(\S+)\s*-->")
+MARKER = re.compile(r"<!--\s*record:\s*(\S+)(\s+stale)?\s*-->")
 DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")  # 0.738, not 2.13.0, a commit or a file name
 
 
-def vouched(text: str) -> list[tuple[str, str]]:
-    """(record path, the text it vouches for) for each marker of a page."""
+def vouched(text: str, stale: bool = False) -> list[tuple]:
+    """(record path, the text it vouches for) for each marker of a page; with `stale`, also whether the marker
+    says `stale` and the paragraph it stands in."""
     found = []
     for m in MARKER.finditer(text):
         rest = text[m.end():]
         own = rest.split("\n\n", 1)[0]
         if not own.strip():  # the marker ends its paragraph: the next one (a table, usually)
             own = rest.lstrip("\n").split("\n\n", 1)[0]
-        found.append((m.group(1), own))
+        paragraph = text[:m.start()].rsplit("\n\n", 1)[-1] + rest.split("\n\n", 1)[0]
+        found.append((m.group(1), own, bool(m.group(2)), paragraph) if stale else (m.group(1), own))
     return found
 
 
@@ -56,10 +60,28 @@ def test_every_figure_a_record_vouches_for_is_in_it(page, record, text):
     assert not missing, f"{page.name} states {', '.join(missing)}, which {record} does not hold"
 
 
+STALE = [(page, path, says, paragraph) for page in PAGES
+         for path, _, says, paragraph in vouched(page.read_text(), stale=True)]
+
+
+@pytest.mark.parametrize("page,record,says,paragraph", STALE, ids=[f"{p.name}:{r}" for p, r, *_ in STALE])
+def test_a_record_of_an_earlier_numerics_epoch_is_marked_stale_on_the_page(page, record, says, paragraph):
+    """A record keeps the numerics epoch of the code that made it (NUMERICS in core/fingerprint.py, raised by a
+    change that moves a stage's numbers); one from an earlier epoch, or with none, is quoted only as stale: the
+    marker says `stale` and its paragraph tells the reader. A current one is not called stale."""
+    epoch = json.loads((ROOT / record).read_text()).get("numerics")
+    if epoch == NUMERICS:
+        assert not says, f"{page.name}: {record} is of the current numerics epoch ({NUMERICS}), not stale"
+    else:
+        assert says and "stale" in re.sub(MARKER, "", paragraph), \
+            f"{page.name}: {record} is of numerics epoch {epoch}, not {NUMERICS}: mark it `<!-- record: {record} " \
+            "stale -->` and say so in its paragraph, or measure it again"
+
+
 def test_the_readme_headlines_are_vouched_for():
     """A marker taken out would silence the check: the README's results keep theirs."""
     records = {record for page, record, _ in MARKED if page.name == "README.md"}
-    assert {"metrics/r1-tiny.json", "metrics/bands/agent-tiny.json"} <= records
+    assert {"metrics/bands/r1-tiny-avx2.json", "metrics/bands/agent-tiny.json"} <= records
 
 
 def test_a_figure_no_record_holds_is_caught():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from alignflow.core.fingerprint import NUMERICS
 from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.records import band_interval, check_record, manifests
@@ -31,9 +32,9 @@ def test_the_band_is_two_standard_deviations_and_holds_every_recorded_value():
     assert band_interval({"mean": 0.5, "se": 0.001, "values": [0.2, 0.5, 0.8]}) == (0.2, 0.8)
 
 
-def record(root, stages, rows_band, seed=3):
+def record(root, stages, rows_band, seed=3, numerics=NUMERICS):
     """A record as benchmarks/seed_band.py writes it, from a run's manifests, with the band `rows_band`."""
-    return {"pipeline": "records.yaml", "command": "alignflow run records.yaml --set seed=SEED",
+    return {"pipeline": "records.yaml", "command": "alignflow run records.yaml --set seed=SEED", "numerics": numerics,
             "seeds": {str(seed): {name: {k: m[k] for k in ("digest", "seed", "fingerprint", "metrics")}
                                   for name, m in stages.items()}},
             "bands": {"rl_sample": {"rows_out": rows_band}}}
@@ -63,3 +64,9 @@ def test_a_rerun_inside_the_band_passes_outside_fails_and_elsewhere_says_so(tmp_
     path.write_text(json.dumps(record(tmp_path, moved, {"mean": 80.0, "se": 1.0, "values": [79.0, 80.0, 81.0]})))
     done = check_record(path, tmp_path, artifacts=artifacts)
     assert done.code == 3 and list(done.environment) == ["rl_sample: torch"]
+
+    # a record of an earlier numerics epoch: its band is the old code's, so outside it is "elsewhere", said why
+    path.write_text(json.dumps(record(tmp_path, stages, {"mean": 80.0, "se": 1.0, "values": [79.0, 80.0, 81.0]},
+                                      numerics=NUMERICS - 1)))
+    done = check_record(path, tmp_path, artifacts=artifacts)
+    assert done.code == 3 and done.environment == {"numerics": (NUMERICS - 1, NUMERICS)}
