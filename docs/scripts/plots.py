@@ -124,7 +124,7 @@ def seed_chart(title: str, groups: list[tuple[str, dict]], y_label: str, y_range
 def all_plots() -> dict[str, str]:
     """{path under docs/: SVG} for each record with per-step or per-seed metrics."""
     curves = ROOT / "metrics" / "plots" / "r1-tiny"
-    agent = json.loads((ROOT / "metrics" / "agent-tiny.json").read_text())["bands"]
+    agent = json.loads((ROOT / "metrics" / "bands" / "agent-tiny.json").read_text())["bands"]
     return {
         "results/plots/r1-tiny-grpo.svg": line_chart(
             "r1-tiny, GRPO: the rollouts' reward and accuracy per step (seed 0)",
