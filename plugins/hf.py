@@ -9,6 +9,11 @@ decoding (fused projections, a preallocated cache, each prompt prefilled once fo
 in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
 `transformers`: the model's own forward with a `DynamicCache`, for every other model. `engine: auto`
 takes `packed` on a CPU when the model is one it rebuilds.
+
+Multi-turn episodes (`continuing`): on `packed`, each episode's KV cache stays between its turns, and a turn
+prefills only what its last one did not leave in it (the sampled turn's stop token and the environment's reply;
+`alignflow.core.episode_cache`), so an episode's prefill cost grows with its tokens, not with its turns squared.
+Its caches are freed when the episode ends (`end_episodes`) or the weights change.
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from typing import Literal
+from contextlib import contextmanager
+from typing import Hashable, Iterator, Literal
 
 import torch
 from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.decoder import PackedDecoder, unsupported
+from alignflow.core.episode_cache import EpisodeCaches, Taken
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
 from alignflow.core.spec.settings import GenerationSettings
 
@@ -50,6 +57,9 @@ class HFSampler(Sampler):
         return_logprobs: bool = True  # the sampled tokens' log-probs, which RL stages take as pi_old
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
+        # packed only: keep each multi-turn episode's KV cache between its turns and prefill only its new tokens
+        # (the same tokens; log-probs equal up to float rounding); false: prefill each turn's whole context
+        episode_cache: bool = True
 
     online = True
     # Set by an asynchronous rollout worker (`async_weights: partial`): between decode steps, `due()` says newer
@@ -68,10 +78,27 @@ class HFSampler(Sampler):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
         self._said = False  # the fallback to transformers' forward is logged once
+        self.caches = EpisodeCaches()
+        self._episodes: list[Hashable] | None = None  # set by `continuing`: the episode of each prompt
 
     def update_weights(self, model) -> None:
-        """On CPU the trainer updates the very module we generate with: nothing to copy."""
+        """On CPU the trainer updates the very module we generate with: nothing to copy. Kept episode caches were
+        computed with the old weights: they go."""
         self.model = model
+        self.caches.clear()
+
+    @contextmanager
+    def continuing(self, episodes: list[Hashable]) -> Iterator[None]:
+        """The calls inside continue these episodes (one per prompt): their caches are reused and kept."""
+        self._episodes = list(episodes)
+        try:
+            yield
+        finally:
+            self._episodes = None
+
+    def end_episodes(self, episodes: list[Hashable]) -> None:
+        """Free these episodes' caches."""
+        self.caches.free(episodes)
 
     def rows_per_call(self, rows: list[list[int]], gen: GenerationSettings) -> int:
         if self.config.batch_size is not None:
@@ -92,9 +119,11 @@ class HFSampler(Sampler):
         if self.preempt is not None and self.preempt.due():  # a new call (an episode's next turn): newest weights
             self.preempt.refresh()
         packed, versions = self.packed(), []
+        keys = self.episode_keys(packed, n, len(prompt_ids))
         try:
             for lo in range(0, len(prompt_ids), step):
-                c, t, lp, cut = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed)
+                part = None if keys is None else keys[lo: lo + step]
+                c, t, lp, cut = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed, part)
                 v = [[self.preempt.version] * len(x) for x in c] if self.preempt is not None else []
                 while cut:  # rows stopped for newer weights: on with them, from their tokens so far
                     packed, cut = self.resumed(prompt_ids[lo: lo + step], n, gen, generator, (c, t, lp, v), cut)
@@ -119,6 +148,16 @@ class HFSampler(Sampler):
             v[r] = v[r] + [version] * len(more[0][j])
         return packed, [cut[j] for j in more[3]]
 
+    def episode_keys(self, packed: PackedDecoder | None, n: int, prompts: int) -> list[Hashable] | None:
+        """Each prompt's episode where this call continues episodes whose caches are kept: on `packed`, one sample
+        a prompt, and no `preempt` (a turn there may start on newer weights than its cache was computed with)."""
+        keys, c = self._episodes, self.config
+        if keys is None or packed is None or n != 1 or self.preempt is not None or not c.episode_cache:
+            return None
+        if len(keys) != prompts:
+            raise ValueError(f"sampler hf: {len(keys)} episodes continued, but {prompts} prompts to generate for")
+        return keys
+
     def packed(self) -> PackedDecoder | None:
         """The policy's current weights rebuilt for decoding, or None where transformers' forward runs."""
         c = self.config
@@ -135,10 +174,11 @@ class HFSampler(Sampler):
         return PackedDecoder(self.model, torch.bfloat16 if c.dtype == "bf16" else torch.float32)
 
     def decode(self, prompts: list[list[int]], n: int, gen: GenerationSettings, generator: torch.Generator,
-               packed: PackedDecoder | None = None):
+               packed: PackedDecoder | None = None, episodes: list[Hashable] | None = None):
         """Prefill the left-padded prompts, then one forward per new token for the rows still running: each row's
         tokens (cut at its stop token), whether it hit max_new_tokens, its log-probs, and the rows a `preempt`
-        stopped for newer weights (all at the same length)."""
+        stopped for newer weights (all at the same length). With `episodes` (packed, n = 1), each prompt's episode:
+        what its cache holds of the prompt is not prefilled again, and the cache is kept for its next turn."""
         device = self.model.device
         rows = prompts if packed is not None else [ids for ids in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id)
@@ -149,7 +189,11 @@ class HFSampler(Sampler):
         stops = torch.tensor(sorted(self.stop_ids), device=device)
         here = torch.arange(B, device=device)  # batch row -> request row
         running = torch.ones(B, dtype=torch.bool, device=device)  # batch rows that have not stopped
-        if packed is not None:
+        taken = None if episodes is None else Taken(packed, rows, ids.shape[1])
+        if taken is not None:
+            logits = self.resumed_prefill(packed, ids, mask, rows, episodes, ids.shape[1] + T)
+            forward, keep = packed.step, packed.keep
+        elif packed is not None:
             logits = packed.start(ids, mask, n, ids.shape[1] + T)
             forward, keep = packed.step, packed.keep
         else:
@@ -167,12 +211,26 @@ class HFSampler(Sampler):
                 tokens = tokens[:, : t + 1]
                 break
             if alive <= len(here) * (1 - COMPACT_AT) and len(rows_left := compacted(running, alive)) < len(here):
+                if taken is not None:  # the rows leaving the batch: their caches, before they go
+                    taken.take(leaving(rows_left, len(here)), here)
                 keep(rows_left)
                 here, running, token = here[rows_left], running[rows_left], token[rows_left]
             logits = forward(token)
         completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
+        if taken is not None:
+            taken.take(range(len(here)), here)
+            taken.store(self.caches, episodes, completions)
         rows_lp = chosen_lp.tolist()  # one conversion, then list slices (a tensor slice per row cost ~3 us each)
         return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)], preempted
+
+    def resumed_prefill(self, packed: PackedDecoder, ids, mask, prompts, episodes, width: int) -> torch.Tensor:
+        """The next-token logits of `prompts` (left-padded `ids`/`mask`), each reusing what its episode's cache
+        holds of it; a full prefill where none does (an episode's first turn)."""
+        past = [self.caches.past(key, p) for key, p in zip(episodes, prompts)]
+        self.caches.count(prompts, past)
+        if all(p is None for p in past):
+            return packed.start(ids, mask, 1, width)
+        return packed.resume(ids, mask, past, width)
 
     def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
         """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""
@@ -216,6 +274,13 @@ class HFSampler(Sampler):
         u = torch.rand(len(cdf), 1, generator=generator, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def leaving(rows_left: torch.Tensor, size: int) -> torch.Tensor:
+    """The batch rows of `size` that are not in `rows_left`."""
+    gone = torch.ones(size, dtype=torch.bool, device=rows_left.device)
+    gone[rows_left] = False
+    return gone.nonzero().flatten()
 
 
 def cache_argument(model) -> str:
