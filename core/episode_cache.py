@@ -44,8 +44,8 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 class EpisodeCaches:
-    """Episode key -> what its last turn left in the decoder's cache; and how many prompt tokens were reused from
-    it or computed (`reused`, `prefilled`: counts since the sampler was loaded)."""
+    """Episode key -> what its last turn left in the decoder's cache; and the sampler's prompt tokens since it was
+    loaded: `prefilled` (computed) and `reused` (taken from an episode's cache instead)."""
 
     def __init__(self):
         self.kept: dict[Hashable, Kept] = {}

@@ -198,6 +198,8 @@ class HFSampler(Sampler):
             forward, keep = packed.step, packed.keep
         else:
             logits, forward, keep = self.transformers_loop(ids, mask)
+        if taken is None:
+            self.caches.count(rows, [None] * len(rows))
         preempted: list[int] = []
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)

@@ -70,8 +70,8 @@ def test_cached_turns_give_the_ids_and_logprobs_of_full_prefills(policy, one_thr
     for x, y in zip(a.logprobs, b.logprobs):
         torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=LOGPROB_ATOL)
     # the cache did its work: later turns prefilled only the environment's reply and the turn's stop token
-    assert full.caches.reused == full.caches.prefilled == 0  # the cache off: not even asked
-    assert cached.caches.reused > cached.caches.prefilled > 0
+    assert full.caches.reused == 0 and cached.caches.reused > cached.caches.prefilled > 0
+    assert full.caches.prefilled == cached.caches.prefilled + cached.caches.reused  # the same prompts, split
     assert cached.caches.kept == {}  # every episode's cache freed when it ended
 
 
