@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, ClassVar, Hashable, Iterator, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 

@@ -12,7 +12,7 @@ shapes), never which tokens they are of.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from collections.abc import Hashable
 
 from torch import Tensor
 

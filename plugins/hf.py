@@ -21,8 +21,9 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
-from typing import Hashable, Iterator, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field
