@@ -7,10 +7,11 @@ it is drawn, so no `B x T x vocab` stack of logits is ever held.
 Two forwards run the loop. `packed` (`alignflow.core.decoder`): Llama-family models rebuilt for
 decoding (fused projections, a preallocated cache, each prompt prefilled once for its `n` samples),
 in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
-`transformers`: the model's own forward with a `DynamicCache`, for every other model. `engine: auto`
+`transformers`: the model's own forward with a `DynamicCache` (`alignflow.core.forward_decoder`), for every other
+model. `engine: auto`
 takes `packed` on a CPU when the model is one it rebuilds.
 
-Multi-turn episodes (`continuing`): on `packed`, each episode's KV cache stays between its turns, and a turn
+Multi-turn episodes (`continuing`): on either forward, each episode's KV cache stays between its turns, and a turn
 prefills only what its last one did not leave in it (the sampled turn's stop token and the environment's reply;
 `alignflow.core.episode_cache`), so an episode's prefill cost grows with its tokens, not with its turns squared.
 Its caches are freed when the episode ends (`end_episodes`) or the weights change.
@@ -18,7 +19,6 @@ Its caches are freed when the episode ends (`end_episodes`) or the weights chang
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections.abc import Hashable, Iterator
@@ -31,6 +31,7 @@ from pydantic import Field
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.decoder import PackedDecoder, unsupported
 from alignflow.core.episode_cache import EpisodeCaches, Taken
+from alignflow.core.forward_decoder import ForwardDecoder
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
 from alignflow.core.spec.settings import GenerationSettings
 
@@ -58,8 +59,8 @@ class HFSampler(Sampler):
         return_logprobs: bool = True  # the sampled tokens' log-probs, which RL stages take as pi_old
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
-        # packed only: keep each multi-turn episode's KV cache between its turns and prefill only its new tokens
-        # (the same tokens; log-probs equal up to float rounding); false: prefill each turn's whole context
+        # keep each multi-turn episode's KV cache between its turns and prefill only its new tokens (the same
+        # tokens; log-probs equal up to float rounding); false: prefill each turn's whole context
         episode_cache: bool = True
 
     online = True
@@ -150,10 +151,13 @@ class HFSampler(Sampler):
         return packed, [cut[j] for j in more[3]]
 
     def episode_keys(self, packed: PackedDecoder | None, n: int, prompts: int) -> list[Hashable] | None:
-        """Each prompt's episode where this call continues episodes whose caches are kept: on `packed`, one sample
-        a prompt, and no `preempt` (a turn there may start on newer weights than its cache was computed with)."""
+        """Each prompt's episode where this call continues episodes whose caches are kept: one sample a prompt, no
+        `preempt` (a turn there may start on newer weights than its cache was computed with), and on
+        transformers' forward a model whose every layer caches every token (no sliding window)."""
         keys, c = self._episodes, self.config
-        if keys is None or packed is None or n != 1 or self.preempt is not None or not c.episode_cache:
+        if keys is None or n != 1 or self.preempt is not None or not c.episode_cache:
+            return None
+        if packed is None and not ForwardDecoder.keeps_rows(self.model):
             return None
         if len(keys) != prompts:
             raise ValueError(f"sampler hf: {len(keys)} episodes continued, but {prompts} prompts to generate for")
@@ -178,9 +182,10 @@ class HFSampler(Sampler):
                packed: PackedDecoder | None = None, episodes: list[Hashable] | None = None):
         """Prefill the left-padded prompts, then one forward per new token for the rows still running: each row's
         tokens (cut at its stop token), whether it hit max_new_tokens, its log-probs, and the rows a `preempt`
-        stopped for newer weights (all at the same length). With `episodes` (packed, n = 1), each prompt's episode:
+        stopped for newer weights (all at the same length). With `episodes` (n = 1), each prompt's episode:
         what its cache holds of the prompt is not prefilled again, and the cache is kept for its next turn."""
         device = self.model.device
+        decoder = packed if packed is not None else ForwardDecoder(self.model)
         rows = prompts if packed is not None else [ids for ids in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -190,17 +195,13 @@ class HFSampler(Sampler):
         stops = torch.tensor(sorted(self.stop_ids), device=device)
         here = torch.arange(B, device=device)  # batch row -> request row
         running = torch.ones(B, dtype=torch.bool, device=device)  # batch rows that have not stopped
-        taken = None if episodes is None else Taken(packed, rows, ids.shape[1])
+        taken = None if episodes is None else Taken(decoder, rows, ids.shape[1])
         if taken is not None:
-            logits = self.resumed_prefill(packed, ids, mask, rows, episodes, ids.shape[1] + T)
-            forward, keep = packed.step, packed.keep
-        elif packed is not None:
-            logits = packed.start(ids, mask, n, ids.shape[1] + T)
-            forward, keep = packed.step, packed.keep
+            logits = self.resumed_prefill(decoder, ids, mask, rows, episodes, ids.shape[1] + T)
         else:
-            logits, forward, keep = self.transformers_loop(ids, mask)
-        if taken is None:
+            logits = decoder.start(ids, mask, n if packed is not None else 1, ids.shape[1] + T)
             self.caches.count(rows, [None] * len(rows))
+        forward, keep = decoder.step, decoder.keep
         preempted: list[int] = []
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)
@@ -226,38 +227,14 @@ class HFSampler(Sampler):
         rows_lp = chosen_lp.tolist()  # one conversion, then list slices (a tensor slice per row cost ~3 us each)
         return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)], preempted
 
-    def resumed_prefill(self, packed: PackedDecoder, ids, mask, prompts, episodes, width: int) -> torch.Tensor:
+    def resumed_prefill(self, decoder, ids, mask, prompts, episodes, width: int) -> torch.Tensor:
         """The next-token logits of `prompts` (left-padded `ids`/`mask`), each reusing what its episode's cache
         holds of it; a full prefill where none does (an episode's first turn)."""
         past = [self.caches.past(key, p) for key, p in zip(episodes, prompts)]
         self.caches.count(prompts, past)
         if all(p is None for p in past):
-            return packed.start(ids, mask, 1, width)
-        return packed.resume(ids, mask, past, width)
-
-    def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
-        """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        kv = {cache_argument(self.model): cache}
-        state = {"mask": mask, "pos": (mask.cumsum(-1) - 1).clamp(min=0)}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=state["pos"], use_cache=True,
-                            logits_to_keep=1, **kv).logits[:, -1]
-        state["pos"] = state["pos"][:, -1:] + 1
-
-        def step(token: torch.Tensor) -> torch.Tensor:
-            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(len(token), 1)], 1)
-            out = self.model(input_ids=token[:, None], attention_mask=state["mask"], position_ids=state["pos"],
-                             use_cache=True, **kv).logits[:, -1]
-            state["pos"] = state["pos"] + 1
-            return out
-
-        def keep(rows: torch.Tensor) -> None:
-            cache.batch_select_indices(rows)
-            state["mask"], state["pos"] = state["mask"][rows], state["pos"][rows]
-
-        return logits, step, keep
+            return decoder.start(ids, mask, 1, width)
+        return decoder.resume(ids, mask, past, width)
 
     @staticmethod
     def pick(logits: torch.Tensor, gen: GenerationSettings, generator: torch.Generator):
@@ -284,13 +261,6 @@ def leaving(rows_left: torch.Tensor, size: int) -> torch.Tensor:
     gone = torch.ones(size, dtype=torch.bool, device=rows_left.device)
     gone[rows_left] = False
     return gone.nonzero().flatten()
-
-
-def cache_argument(model) -> str:
-    """The forward's name for the KV cache: `cache` in newer transformers, `past_key_values` before (a peft
-    model's forward passes its keywords on to the model it wraps: that one's name)."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 @hookimpl
