@@ -7,9 +7,8 @@ it is drawn, so no `B x T x vocab` stack of logits is ever held.
 Two forwards run the loop. `packed` (`alignflow.core.decoder`): Llama-family models rebuilt for
 decoding (fused projections, a preallocated cache, each prompt prefilled once for its `n` samples),
 in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
-`transformers`: the model's own forward with a `DynamicCache` (`alignflow.core.forward_decoder`), for every other
-model. `engine: auto`
-takes `packed` on a CPU when the model is one it rebuilds.
+`transformers`: the model's own forward with a `DynamicCache` (`alignflow.core.forward_decoder`), for every
+other model. `engine: auto` takes `packed` on a CPU when the model is one it rebuilds.
 
 Multi-turn episodes (`continuing`): on either forward, each episode's KV cache stays between its turns, and a turn
 prefills only what its last one did not leave in it (the sampled turn's stop token and the environment's reply;

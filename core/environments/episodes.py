@@ -138,6 +138,7 @@ class Episodes:
 
     def _play(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
               tools: dict, loop: "EventLoop") -> tuple[bool, float]:
+        """The turns themselves: each a `generate` call for every running episode, then their environments."""
         budget, has_logprobs, env_s = self.budget(gen), True, 0.0
         for turn in range(self.max_turns):
             active = [r for r in runs if r.ended is None]

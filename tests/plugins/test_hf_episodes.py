@@ -76,11 +76,12 @@ def test_cached_turns_give_the_ids_and_logprobs_of_full_prefills(policy, one_thr
     assert cached.caches.kept == {}  # every episode's cache freed when it ended
 
 
-def test_a_prompt_that_does_not_extend_the_cache_is_prefilled_from_where_it_differs(policy, one_thread):
+@pytest.mark.parametrize("engine", ["packed", "transformers"])
+def test_a_prompt_that_does_not_extend_the_cache_is_prefilled_from_where_it_differs(policy, one_thread, engine):
     tok = policy[1]
     gen = GenerationSettings(max_new_tokens=12, temperature=1.0)
     prompts = [tok("12+34=").input_ids, tok("5*6=").input_ids, tok("7-2=").input_ids]
-    s = sampler(policy)
+    s = sampler(policy, engine=engine)
     with s.continuing(["a", "b", "c"]):
         first = s.generate(prompts, 1, gen, seed=1)
     assert set(s.caches.kept) == {"a", "b", "c"}
@@ -94,7 +95,7 @@ def test_a_prompt_that_does_not_extend_the_cache_is_prefilled_from_where_it_diff
     with s.continuing(["a", "b", "c"]):
         second = s.generate(rewritten, 1, gen, seed=2)
     assert s.caches.reused - before == known[0] + 2 + 0
-    reference = sampler(policy, episode_cache=False).generate(rewritten, 1, gen, seed=2)
+    reference = sampler(policy, engine=engine, episode_cache=False).generate(rewritten, 1, gen, seed=2)
     assert second.completion_ids == reference.completion_ids
     for x, y in zip(reference.logprobs, second.logprobs):
         torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=LOGPROB_ATOL)
