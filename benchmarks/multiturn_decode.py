@@ -3,9 +3,9 @@ of every turn's context: model tokens/s and episodes/s for 1-, 3- and 8-turn epi
 
     OMP_NUM_THREADS=1 python benchmarks/multiturn_decode.py [--model PATH] [--prompts 16] [--group 4] [--rounds 3]
 
-The work: `--prompts` rows of data/rl.jsonl, `--group` episodes each, every episode played to exactly K turns
+The work: `--prompts` arithmetic problems (the tiny task's, level 2, seed 0), `--group` episodes each, every episode played to exactly K turns
 (K = 1, 3, 8) by an environment that answers each turn with a fixed line, sampled at temperature 1 with at most 48
-new tokens a turn by the packed engine in fp32 on one torch thread. Without `--model`: the tiny model freshly built
+new tokens a turn by the packed engine (`--engine`) in fp32 (`--dtype`). Without `--model`: the tiny model freshly built
 (seed 0), its turns ended after ~10 tokens by a bias on the stop token (a random model rarely stops on its own, and
 an unfinished turn ends its episode). Per K, `off` (`episode_cache: false`) and `on` alternate after a warm-up
 each, on the same seeds; medians of `--rounds`. Each round checks that both gave the same token ids and reports
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -81,15 +82,17 @@ def compare(a, b) -> dict:
 def measure(args) -> dict:
     from alignflow.core.environments.episodes import Episodes
     from alignflow.core.spec.settings import GenerationSettings
+    from alignflow.core.task.arithmetic import generate
     from alignflow.plugins.hf import HFSampler
 
-    rows = [json.loads(line) for line in (ROOT / "data" / "rl.jsonl").read_text().splitlines()[: args.prompts]]
+    rng = random.Random(0)
+    rows = [{"prompt": generate(2, rng).prompt} for _ in range(args.prompts)]
     gen = GenerationSettings(max_new_tokens=48, temperature=1.0)
     with tempfile.TemporaryDirectory() as tmp:
         path, model, tok = policy(args, Path(tmp))
         samplers = {}
         for name, cached in (("off", False), ("on", True)):
-            samplers[name] = HFSampler(HFSampler.Config(engine="packed", dtype="fp32", episode_cache=cached))
+            samplers[name] = HFSampler(HFSampler.Config(engine=args.engine, dtype=args.dtype, episode_cache=cached))
             samplers[name].load(model, tok)
         if args.vllm:
             from alignflow.plugins.vllm_sampler import VLLMSampler
@@ -134,6 +137,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--engine", default="packed", choices=("packed", "transformers"), help="the hf sampler's engine")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the packed engine's decode dtype")
     p.add_argument("--eos-bias", type=float, default=3.0, help="the stop token's logit bias on the built tiny model")
     p.add_argument("--vllm", action="store_true", help="also the vllm sampler on --model (needs vLLM)")
     args = p.parse_args()
@@ -145,6 +150,7 @@ def main() -> None:
     result = {"machine": info.get("Model name"),
               "flags": sorted(f for f in info.get("Flags", "").split() if f.startswith(("avx", "amx"))),
               "commit": git_commit(), "torch_threads": torch.get_num_threads(), "model": args.model or "tiny",
+              "engine": args.engine, "dtype": args.dtype,
               "episodes": args.prompts * args.group, "rounds": args.rounds, "max_new_tokens": 48,
               "vllm": None if args.vllm else "not measured (run with --vllm in the vLLM environment)"}
     with contextlib.redirect_stdout(sys.stderr):
