@@ -2,6 +2,8 @@
 the ids and log-probs of one that prefills every turn's whole context; a prompt that does not extend the cache
 reuses only what it shares with it; caches are freed when episodes end."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -16,6 +18,9 @@ from alignflow.plugins.hf import HFSampler
 # turn that sampled it (a one-token step), an uncached one's in the next turn's prefill (one attention over the
 # whole context); the same fp32 arithmetic in ops of other shapes rounds differently (~1e-7 per value).
 LOGPROB_ATOL = 1e-5
+# the stop token's logit bias: turns of ~6 sampled tokens; greedy, a bias near the largest other logit (~0.6 on the
+# random tiny model), so that some contexts stop and others write on
+EOS_BIAS = {1.0: 4.0, 0.0: 0.6}
 # episodes of one batch that end after 1, 3 and 8 turns: the long ones go on decoding as the short ones stop
 ROWS = [{"prompt": "12+34=", "turns": 1}, {"prompt": "5*6=", "turns": 3}, {"prompt": "7-2=", "turns": 8}]
 
@@ -35,16 +40,28 @@ class Countdown(Environment):
 
 @pytest.fixture(scope="module")
 def policy(tiny_model):
-    """The tiny model, its turns ending after a few tokens (a bias on the stop token), and its tokenizer."""
+    """The tiny model with a bias on its stop token (`stop_bias`: a random model rarely stops, and an unfinished
+    turn ends its episode), and its tokenizer."""
     folder = tiny_model()
     model, tok = load_model(folder).eval(), load_tokenizer(folder)
     head = torch.nn.Linear(model.config.hidden_size, len(tok), bias=True)
     with torch.no_grad():
         head.weight.copy_(model.lm_head.weight)
         head.bias.zero_()
-        head.bias[tok.eos_token_id] = 3.0
     model.lm_head = head
     return model, tok
+
+
+@contextmanager
+def stop_bias(policy, value: float):
+    model, tok = policy
+    with torch.no_grad():
+        model.lm_head.bias[tok.eos_token_id] = value
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            model.lm_head.bias[tok.eos_token_id] = 0.0
 
 
 def sampler(policy, **cfg):
@@ -65,7 +82,8 @@ def test_cached_turns_give_the_ids_and_logprobs_of_full_prefills(policy, one_thr
     monkeypatch.setattr("alignflow.plugins.hf.BATCH_STEP", batch_step)
     gen = GenerationSettings(max_new_tokens=24, temperature=temperature)
     full, cached = sampler(policy, engine=engine, episode_cache=False), sampler(policy, engine=engine)
-    a, b = play(full, policy, gen), play(cached, policy, gen)
+    with stop_bias(policy, EOS_BIAS[temperature]):
+        a, b = play(full, policy, gen), play(cached, policy, gen)
     assert a.episodes["turns"] == b.episodes["turns"] and max(a.episodes["turns"]) >= 3  # multi-turn indeed
     assert a.completion_ids == b.completion_ids and a.loss_mask == b.loss_mask
     for x, y in zip(a.logprobs, b.logprobs):
@@ -82,7 +100,7 @@ def test_a_prompt_that_does_not_extend_the_cache_is_prefilled_from_where_it_diff
     gen = GenerationSettings(max_new_tokens=12, temperature=1.0)
     prompts = [tok("12+34=").input_ids, tok("5*6=").input_ids, tok("7-2=").input_ids]
     s = sampler(policy, engine=engine)
-    with s.continuing(["a", "b", "c"]):
+    with s.continuing(["a", "b", "c"]), stop_bias(policy, EOS_BIAS[1.0]):
         first = s.generate(prompts, 1, gen, seed=1)
     assert set(s.caches.kept) == {"a", "b", "c"}
     reply = tok("ok, next:").input_ids
@@ -122,8 +140,9 @@ def test_an_episode_ended_by_a_failing_environment_frees_its_cache(policy, one_t
             return super().step(turn)
 
     s = sampler(policy)
-    g = Episodes(Failing, Failing.Config(), max_turns=8).generate(
-        s, policy[1], ROWS, 1, GenerationSettings(max_new_tokens=16, temperature=0.0), seed=0)
+    with stop_bias(policy, EOS_BIAS[1.0]):
+        g = Episodes(Failing, Failing.Config(), max_turns=8).generate(
+            s, policy[1], ROWS, 1, GenerationSettings(max_new_tokens=24, temperature=1.0), seed=0)
     assert "error" in g.episodes["ended"] and s.caches.kept == {}
 
 
