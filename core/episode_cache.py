@@ -30,8 +30,6 @@ class Kept:
 
     def prefix(self, length: int) -> "Kept":
         """The first `length` tokens' keys and values (views: no copy)."""
-        if length == len(self.tokens):
-            return self
         return Kept(self.tokens[:length], [k[:, :length] for k in self.keys], [v[:, :length] for v in self.values])
 
 
@@ -100,5 +98,5 @@ class Taken:
         one never is; a stopped row kept in the batch was fed tokens after its stop, which are not kept)."""
         for r, key in enumerate(keys):
             k, v = self.rows[r]
-            tokens = (self.prompts[r] + completions[r])[: k[0].shape[1]]
-            caches.put(key, Kept(tokens, k, v).prefix(len(tokens)))
+            tokens = (self.prompts[r] + completions[r])[: k[0].shape[1]]  # the keys' columns past these: not kept
+            caches.put(key, Kept(self.prompts[r] + completions[r], k, v).prefix(len(tokens)))
