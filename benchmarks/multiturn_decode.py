@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -152,9 +153,11 @@ def main() -> None:
               "commit": git_commit(), "torch_threads": torch.get_num_threads(), "model": args.model or "tiny",
               "engine": args.engine, "dtype": args.dtype,
               "episodes": args.prompts * args.group, "rounds": args.rounds, "max_new_tokens": 48,
-              "vllm": None if args.vllm else "not measured (run with --vllm in the vLLM environment)"}
+              "vllm": None if args.vllm else "not measured (run with --vllm in the vLLM environment)",
+              "load_avg_start": [round(x, 2) for x in os.getloadavg()]}
     with contextlib.redirect_stdout(sys.stderr):
         result["turns"] = measure(args)
+    result["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result, indent=1))
 
 
