@@ -3,14 +3,16 @@ of every turn's context: model tokens/s and episodes/s for 1-, 3- and 8-turn epi
 
     OMP_NUM_THREADS=1 python benchmarks/multiturn_decode.py [--model PATH] [--prompts 16] [--group 4] [--rounds 3]
 
-The work: `--prompts` arithmetic problems (the tiny task's, level 2, seed 0), `--group` episodes each, every episode played to exactly K turns
-(K = 1, 3, 8) by an environment that answers each turn with a fixed line, sampled at temperature 1 with at most 48
-new tokens a turn by the packed engine (`--engine`) in fp32 (`--dtype`). Without `--model`: the tiny model freshly built
-(seed 0), its turns ended after ~10 tokens by a bias on the stop token (a random model rarely stops on its own, and
-an unfinished turn ends its episode). Per K, `off` (`episode_cache: false`) and `on` alternate after a warm-up
-each, on the same seeds; medians of `--rounds`. Each round checks that both gave the same token ids and reports
-the largest log-prob difference. `--vllm` adds the `vllm` sampler (its prefix cache on) on `--model`; it needs
-the vLLM environment. Prints JSON with the machine (lscpu's model name and ISA flags) and the commit.
+The work: `--prompts` arithmetic problems (the tiny task's, level 2, seed 0), `--group` episodes each, played to
+K = 1, 3 and 8 turns by an environment that answers each turn with a fixed line; sampled at temperature 1, at most
+48 new tokens a turn, by the `hf` sampler's packed engine (`--engine`) in fp32 (`--dtype`). Without `--model`: the
+tiny model freshly built (seed 0), its turns ended after ~12 tokens by a bias on the stop token (a random model
+rarely stops on its own; a turn without a stop ends its episode, so a K-turn batch averages a little under K).
+Per K, `off` (`episode_cache: false`) and `on` alternate after a warm-up each, on the same seeds: medians of
+`--rounds`, and each round's time ratio off / on (median and range: a shared machine's load drifts less within a
+round than across rounds). Each round checks that both gave the same token ids and reports the largest log-prob
+difference. `--vllm` adds the `vllm` sampler (its prefix cache on) on `--model`; it needs the vLLM environment.
+Prints JSON with the machine (lscpu's model name and ISA flags, the load average) and the commit.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def measure(args) -> dict:
                 result[name]["runs_s"] = [round(v["s"], 3) for v in values]
             result["on_vs_off"] = {k: result["on"][k] / result["off"][k]
                                    for k in ("model_tokens_per_s", "episodes_per_s")}
+            pairs = sorted(off["s"] / on["s"] for off, on in zip(runs["off"], runs["on"]))
+            result["on_vs_off_per_round"] = {"median": statistics.median(pairs), "min": pairs[0], "max": pairs[-1]}
             result["same_ids_every_round"] = all(c["same_ids"] for c in checks)
             result["max_abs_logprob_diff"] = max((c["max_abs_logprob_diff"] or 0.0) for c in checks)
             out[f"{turns}_turns"] = result
