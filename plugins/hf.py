@@ -58,9 +58,10 @@ class HFSampler(Sampler):
         return_logprobs: bool = True  # the sampled tokens' log-probs, which RL stages take as pi_old
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
-        # keep each multi-turn episode's KV cache between its turns and prefill only its new tokens (the same
-        # tokens; log-probs equal up to float rounding); false: prefill each turn's whole context
-        episode_cache: bool = True
+        # keep each multi-turn episode's KV cache between its turns and prefill only its new tokens; unset: where
+        # decoding computes in fp32 (the ids of a full prefill, log-probs to float rounding), not in bf16 (whose
+        # rounding can change a sampled token); false: prefill each turn's whole context
+        episode_cache: bool | None = None
 
     online = True
     # Set by an asynchronous rollout worker (`async_weights: partial`): between decode steps, `due()` says newer
@@ -151,10 +152,14 @@ class HFSampler(Sampler):
 
     def episode_keys(self, packed: PackedDecoder | None, n: int, prompts: int) -> list[Hashable] | None:
         """Each prompt's episode where this call continues episodes whose caches are kept: one sample a prompt, no
-        `preempt` (a turn there may start on newer weights than its cache was computed with), and on
-        transformers' forward a model whose every layer caches every token (no sliding window)."""
+        `preempt` (a turn there may start on newer weights than its cache was computed with), `episode_cache` on
+        (unset: decoding in fp32), and on transformers' forward a model whose every layer caches every token (no
+        sliding window)."""
         keys, c = self._episodes, self.config
-        if keys is None or n != 1 or self.preempt is not None or not c.episode_cache:
+        if keys is None or n != 1 or self.preempt is not None or c.episode_cache is False:
+            return None
+        dtype = packed.dtype if packed is not None else next(self.model.parameters()).dtype
+        if c.episode_cache is None and dtype != torch.float32:
             return None
         if packed is None and not ForwardDecoder.keeps_rows(self.model):
             return None

@@ -132,6 +132,17 @@ def test_caches_are_freed_when_episodes_end_and_when_the_weights_change(policy, 
     assert s.caches.kept == {}
 
 
+@pytest.mark.parametrize("dtype,setting,kept", [("fp32", None, True), ("bf16", None, False), ("fp32", False, False),
+                                                ("bf16", True, True)])
+def test_unset_the_cache_is_kept_where_decoding_is_fp32(policy, one_thread, dtype, setting, kept):
+    """bf16's rounding can change a sampled token between a kept cache and a full prefill: unset, it is off there."""
+    tok = policy[1]
+    s = sampler(policy, dtype=dtype, episode_cache=setting)
+    with s.continuing(["a"]):
+        s.generate([tok("1+1=").input_ids], 1, GenerationSettings(max_new_tokens=4, temperature=1.0), seed=0)
+    assert bool(s.caches.kept) == kept
+
+
 def test_an_episode_ended_by_a_failing_environment_frees_its_cache(policy, one_thread):
     class Failing(Countdown):
         def step(self, turn):
