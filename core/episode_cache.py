@@ -98,5 +98,5 @@ class Taken:
         one never is; a stopped row kept in the batch was fed tokens after its stop, which are not kept)."""
         for r, key in enumerate(keys):
             k, v = self.rows[r]
-            tokens = (self.prompts[r] + completions[r])[: k[0].shape[1]]  # the keys' columns past these: not kept
-            caches.put(key, Kept(self.prompts[r] + completions[r], k, v).prefix(len(tokens)))
+            tokens = self.prompts[r] + completions[r]
+            caches.put(key, Kept(tokens, k, v).prefix(min(len(tokens), k[0].shape[1])))
