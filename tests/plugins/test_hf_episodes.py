@@ -18,9 +18,11 @@ from alignflow.plugins.hf import HFSampler
 # turn that sampled it (a one-token step), an uncached one's in the next turn's prefill (one attention over the
 # whole context); the same fp32 arithmetic in ops of other shapes rounds differently (~1e-7 per value).
 LOGPROB_ATOL = 1e-5
-# the stop token's logit bias: turns of ~6 sampled tokens; greedy, a bias near the largest other logit (~0.6 on the
-# random tiny model), so that some contexts stop and others write on
-EOS_BIAS = {1.0: 4.0, 0.0: 0.6}
+# the stop token's logit bias (temperature: bias): sampled, turns of ~6 tokens; greedy on the random tiny model, 0.6
+# stops every turn at once (8 turns of the stop token alone: each the argmax of a resumed prefill) and 0.5 writes on
+# in some contexts (turns of 24 tokens, decoded on a resumed cache, in episodes of 2 turns)
+SETTINGS = [(1.0, 4.0), (0.0, 0.6), (0.0, 0.5)]
+SAMPLED_BIAS = 4.0
 # episodes of one batch that end after 1, 3 and 8 turns: the long ones go on decoding as the short ones stop
 ROWS = [{"prompt": "12+34=", "turns": 1}, {"prompt": "5*6=", "turns": 3}, {"prompt": "7-2=", "turns": 8}]
 
@@ -75,21 +77,21 @@ def play(s, policy, gen, seed=3, n=3):
 
 
 @pytest.mark.parametrize("engine", ["packed", "transformers"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature,bias", SETTINGS)
 @pytest.mark.parametrize("batch_step", [16, 1])  # 1: rows that stop leave the batch at once (their caches with them)
 def test_cached_turns_give_the_ids_and_logprobs_of_full_prefills(policy, one_thread, monkeypatch, engine,
-                                                                   temperature, batch_step):
+                                                                   temperature, bias, batch_step):
     monkeypatch.setattr("alignflow.plugins.hf.BATCH_STEP", batch_step)
     gen = GenerationSettings(max_new_tokens=24, temperature=temperature)
     full, cached = sampler(policy, engine=engine, episode_cache=False), sampler(policy, engine=engine)
-    with stop_bias(policy, EOS_BIAS[temperature]):
+    with stop_bias(policy, bias):
         a, b = play(full, policy, gen), play(cached, policy, gen)
-    assert a.episodes["turns"] == b.episodes["turns"] and max(a.episodes["turns"]) >= 3  # multi-turn indeed
+    assert a.episodes["turns"] == b.episodes["turns"] and max(a.episodes["turns"]) >= 2  # multi-turn indeed
     assert a.completion_ids == b.completion_ids and a.loss_mask == b.loss_mask
     for x, y in zip(a.logprobs, b.logprobs):
         torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=LOGPROB_ATOL)
     # the cache did its work: later turns prefilled only the environment's reply and the turn's stop token
-    assert full.caches.reused == 0 and cached.caches.reused > cached.caches.prefilled > 0
+    assert full.caches.reused == 0 and cached.caches.reused > 0
     assert full.caches.prefilled == cached.caches.prefilled + cached.caches.reused  # the same prompts, split
     assert cached.caches.kept == {}  # every episode's cache freed when it ended
 
@@ -100,7 +102,7 @@ def test_a_prompt_that_does_not_extend_the_cache_is_prefilled_from_where_it_diff
     gen = GenerationSettings(max_new_tokens=12, temperature=1.0)
     prompts = [tok("12+34=").input_ids, tok("5*6=").input_ids, tok("7-2=").input_ids]
     s = sampler(policy, engine=engine)
-    with s.continuing(["a", "b", "c"]), stop_bias(policy, EOS_BIAS[1.0]):
+    with s.continuing(["a", "b", "c"]), stop_bias(policy, SAMPLED_BIAS):
         first = s.generate(prompts, 1, gen, seed=1)
     assert set(s.caches.kept) == {"a", "b", "c"}
     reply = tok("ok, next:").input_ids
@@ -151,7 +153,7 @@ def test_an_episode_ended_by_a_failing_environment_frees_its_cache(policy, one_t
             return super().step(turn)
 
     s = sampler(policy)
-    with stop_bias(policy, EOS_BIAS[1.0]):
+    with stop_bias(policy, SAMPLED_BIAS):
         g = Episodes(Failing, Failing.Config(), max_turns=8).generate(
             s, policy[1], ROWS, 1, GenerationSettings(max_new_tokens=24, temperature=1.0), seed=0)
     assert "error" in g.episodes["ended"] and s.caches.kept == {}
