@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -93,6 +95,16 @@ class Sampler:
         as one Generation. The default runs them here, one `generate` call per turn of every running episode;
         a sampler that runs episodes elsewhere (a worker, an engine's own agent loop) overrides it."""
         return episodes.generate(self, tokenizer, rows, n, gen, seed)
+
+    @contextmanager
+    def continuing(self, episodes: list[Hashable]) -> Iterator[None]:
+        """The `generate` calls inside are the next turns of these episodes (a key per prompt, the same over an
+        episode's turns; each prompt extends the episode's last prompt and completion): a sampler may keep what
+        it computed for each (a KV cache) until `end_episodes`, and compute only the tokens that are new. Optional."""
+        yield
+
+    def end_episodes(self, episodes: list[Hashable]) -> None:
+        """These episodes are over: free what `continuing` kept for them. Optional."""
 
     def update_weights(self, model: Any) -> None:
         """Take the policy's new weights after an optimizer update."""

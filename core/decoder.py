@@ -10,6 +10,8 @@ module keeps the same arithmetic with fewer, larger ops:
 - rotary tables computed once per call; attention of the one new token as two batched matmuls over
   the cache's filled width, grouped-query heads without repeating the cache;
 - each prompt prefilled once and its cache shared by its `n` samples;
+- a multi-turn episode's next turn prefilled from the keys and values its last turn left (`resume`), computing
+  only its new tokens (`alignflow.core.episode_cache`);
 - weights in the decode dtype (fp32, or bf16 where the trainer computes in bf16: the copy is
   taken at every `pack`, so it always holds the trainer's current weights).
 
@@ -78,8 +80,9 @@ class PackedDecoder:
     """Prefill and one-token steps of a Llama-family model on a preallocated KV cache.
 
     `start(prompts, n, width)` prefills each prompt once and gives every one of its `n` rows the
-    prompt's cache; `step(tokens)` appends one token per running row and returns next-token logits;
-    `keep(rows)` drops the rows that stopped.
+    prompt's cache, or `resume(prompts, past, width)` only the tokens after each one's known prefix;
+    `step(tokens)` appends one token per running row and returns next-token logits; `keep(rows)` drops the
+    rows that stopped; `row(b, first)` copies a row's cache out.
     """
 
     def __init__(self, model, dtype: torch.dtype = torch.float32):
@@ -165,6 +168,50 @@ class PackedDecoder:
         self.filled = T0
         return self.logits(x.view(P, T0, -1)[:, -1]).repeat_interleave(n, 0)
 
+    @torch.no_grad()
+    def resume(self, ids: Tensor, mask: Tensor, past: list, width: int) -> Tensor:
+        """Prefill left-padded prompts `ids`/`mask` [P, T0] (one row each) of which the first tokens' keys and
+        values are known: `past[p]` (an `episode_cache.Kept`, or None) holds prompt p's first len(past[p]) tokens'.
+        Only the tokens after them are computed, attending to those and to each other; the cache has room for
+        `width` tokens in all. Returns the next-token logits [P, vocab]."""
+        P, T0 = ids.shape
+        lengths = mask.sum(-1)
+        new = lengths - torch.tensor([0 if p is None else len(p) for p in past], device=self.device)
+        S = int(new.max())  # the last S columns are computed: the longest new part
+        col = torch.arange(T0, device=self.device)
+        computed = col[T0 - S:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cos, sin = self.rotary(positions[:, T0 - S:])
+        self.bias = torch.zeros(P, width, device=self.device)
+        self.bias[:, :T0].masked_fill_(mask == 0, float("-inf"))
+        # a computed column sees the prompt's tokens up to itself (a pad column only itself: no NaN)
+        allowed = (col <= computed[:, None]) & (mask[:, None, :] == 1) | (col == computed[:, None])
+        fresh = computed >= T0 - new[:, None]  # [P, S]: a column of the new part (else a known token or a pad)
+        first = (T0 - lengths).tolist()  # each row's first real column
+        x = F.embedding(ids[:, T0 - S:].flatten(), self.embed)  # token rows [P * S, H]
+        cos, sin = cos.flatten(0, 1), sin.flatten(0, 1)
+        heads = lambda t: t.view(P, S, -1, self.head_dim).transpose(1, 2).float()  # noqa: E731 [P, heads, S, D]
+        self.k, self.v = [], []
+        for i, layer in enumerate(self.layers):
+            qk, v = self.project(layer, x, cos, sin)
+            keys = joined([None if p is None else p.keys[i] for p in past], first, heads(qk[:, self.heads:]),
+                          fresh, T0, width)
+            values = joined([None if p is None else p.values[i] for p in past], first, heads(v), fresh, T0, width)
+            attn = F.scaled_dot_product_attention(heads(qk[:, : self.heads]), keys[:, :, :T0], values[:, :, :T0],
+                                                  attn_mask=allowed[:, None], enable_gqa=True)
+            x = self.out(layer, x, attn.transpose(1, 2).reshape(P * S, -1).to(self.dtype))
+            self.k.append(keys)
+            self.v.append(values)
+        self.positions = positions[:, -1] + 1
+        self.filled = T0
+        return self.logits(x.view(P, S, -1)[:, -1])
+
+    def row(self, b: int, first: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Batch row `b`'s keys and values from column `first` to the last filled one, per layer, copied out
+        [kv_heads, filled - first, D]."""
+        return ([k[b, :, first: self.filled].clone() for k in self.k],
+                [v[b, :, first: self.filled].clone() for v in self.v])
+
     @staticmethod
     def cache(prompt: Tensor, n: int, width: int) -> Tensor:
         """A [P * n, kv_heads, width, D] cache whose first T0 slots hold prompt p's [P, kv_heads, T0, D] in rows
@@ -200,3 +247,19 @@ class PackedDecoder:
         self.k = [k.index_select(0, rows) for k in self.k]
         self.v = [v.index_select(0, rows) for v in self.v]
         self.bias, self.positions = self.bias.index_select(0, rows), self.positions.index_select(0, rows)
+
+
+def joined(past: list, first: list[int], computed: Tensor, fresh: Tensor, end: int, width: int) -> Tensor:
+    """A [P, kv_heads, width, D] cache of prompts ending at column `end`: row p's known tokens `past[p]`
+    [kv_heads, L, D] (or None) from its first real column `first[p]`, the `computed` [P, kv_heads, S, D] in the
+    S columns before `end` where `fresh` [P, S], zeros on the pads before (masked, but a NaN left there would poison
+    the scores). The columns from `end` on are left for the decode steps to fill."""
+    P, kv, S, D = computed.shape
+    out = computed.new_empty(P, kv, width, D)
+    out[:, :, :end].zero_()
+    for p, known in enumerate(past):
+        if known is not None:
+            out[p, :, first[p]: first[p] + known.shape[1]] = known
+    last = out[:, :, end - S: end]
+    last.copy_(torch.where(fresh[:, None, :, None], computed, last))
+    return out

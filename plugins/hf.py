@@ -7,15 +7,21 @@ it is drawn, so no `B x T x vocab` stack of logits is ever held.
 Two forwards run the loop. `packed` (`alignflow.core.decoder`): Llama-family models rebuilt for
 decoding (fused projections, a preallocated cache, each prompt prefilled once for its `n` samples),
 in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
-`transformers`: the model's own forward with a `DynamicCache`, for every other model. `engine: auto`
-takes `packed` on a CPU when the model is one it rebuilds.
+`transformers`: the model's own forward with a `DynamicCache` (`alignflow.core.forward_decoder`), for every
+other model. `engine: auto` takes `packed` on a CPU when the model is one it rebuilds.
+
+Multi-turn episodes (`continuing`): on either forward, each episode's KV cache stays between its turns, and a turn
+prefills only what its last one did not leave in it (the sampled turn's stop token and the environment's reply;
+`alignflow.core.episode_cache`), so an episode's prefill cost grows with its tokens, not with its turns squared.
+Its caches are freed when the episode ends (`end_episodes`) or the weights change.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
+from collections.abc import Hashable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -23,6 +29,8 @@ from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
 from alignflow.core.decoder import PackedDecoder, unsupported
+from alignflow.core.episode_cache import EpisodeCaches, Taken
+from alignflow.core.forward_decoder import ForwardDecoder
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad
 from alignflow.core.spec.settings import GenerationSettings
 
@@ -50,6 +58,10 @@ class HFSampler(Sampler):
         return_logprobs: bool = True  # the sampled tokens' log-probs, which RL stages take as pi_old
         engine: Literal["auto", "packed", "transformers"] = "auto"  # auto: packed on a CPU where it can
         dtype: Literal["auto", "fp32", "bf16"] = "auto"  # packed only; auto: the training stage's precision
+        # keep each multi-turn episode's KV cache between its turns and prefill only its new tokens; unset: where
+        # decoding computes in fp32 (the ids of a full prefill, log-probs to float rounding), not in bf16 (whose
+        # rounding can change a sampled token); false: prefill each turn's whole context
+        episode_cache: bool | None = None
 
     online = True
     # Set by an asynchronous rollout worker (`async_weights: partial`): between decode steps, `due()` says newer
@@ -68,10 +80,27 @@ class HFSampler(Sampler):
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
         self._said = False  # the fallback to transformers' forward is logged once
+        self.caches = EpisodeCaches()
+        self._episodes: list[Hashable] | None = None  # set by `continuing`: the episode of each prompt
 
     def update_weights(self, model) -> None:
-        """On CPU the trainer updates the very module we generate with: nothing to copy."""
+        """On CPU the trainer updates the very module we generate with: nothing to copy. Kept episode caches were
+        computed with the old weights: they go."""
         self.model = model
+        self.caches.clear()
+
+    @contextmanager
+    def continuing(self, episodes: list[Hashable]) -> Iterator[None]:
+        """The calls inside continue these episodes (one per prompt): their caches are reused and kept."""
+        self._episodes = list(episodes)
+        try:
+            yield
+        finally:
+            self._episodes = None
+
+    def end_episodes(self, episodes: list[Hashable]) -> None:
+        """Free these episodes' caches."""
+        self.caches.free(episodes)
 
     def rows_per_call(self, rows: list[list[int]], gen: GenerationSettings) -> int:
         if self.config.batch_size is not None:
@@ -92,9 +121,11 @@ class HFSampler(Sampler):
         if self.preempt is not None and self.preempt.due():  # a new call (an episode's next turn): newest weights
             self.preempt.refresh()
         packed, versions = self.packed(), []
+        keys = self.episode_keys(packed, n, len(prompt_ids))
         try:
             for lo in range(0, len(prompt_ids), step):
-                c, t, lp, cut = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed)
+                part = None if keys is None else keys[lo: lo + step]
+                c, t, lp, cut = self.decode(prompt_ids[lo: lo + step], n, gen, generator, packed, part)
                 v = [[self.preempt.version] * len(x) for x in c] if self.preempt is not None else []
                 while cut:  # rows stopped for newer weights: on with them, from their tokens so far
                     packed, cut = self.resumed(prompt_ids[lo: lo + step], n, gen, generator, (c, t, lp, v), cut)
@@ -119,6 +150,23 @@ class HFSampler(Sampler):
             v[r] = v[r] + [version] * len(more[0][j])
         return packed, [cut[j] for j in more[3]]
 
+    def episode_keys(self, packed: PackedDecoder | None, n: int, prompts: int) -> list[Hashable] | None:
+        """Each prompt's episode where this call continues episodes whose caches are kept: one sample a prompt, no
+        `preempt` (a turn there may start on newer weights than its cache was computed with), `episode_cache` on
+        (unset: decoding in fp32), and on transformers' forward a model whose every layer caches every token (no
+        sliding window)."""
+        keys, c = self._episodes, self.config
+        if keys is None or n != 1 or self.preempt is not None or c.episode_cache is False:
+            return None
+        dtype = packed.dtype if packed is not None else next(self.model.parameters()).dtype
+        if c.episode_cache is None and dtype != torch.float32:
+            return None
+        if packed is None and not ForwardDecoder.keeps_rows(self.model):
+            return None
+        if len(keys) != prompts:
+            raise ValueError(f"sampler hf: {len(keys)} episodes continued, but {prompts} prompts to generate for")
+        return keys
+
     def packed(self) -> PackedDecoder | None:
         """The policy's current weights rebuilt for decoding, or None where transformers' forward runs."""
         c = self.config
@@ -135,11 +183,13 @@ class HFSampler(Sampler):
         return PackedDecoder(self.model, torch.bfloat16 if c.dtype == "bf16" else torch.float32)
 
     def decode(self, prompts: list[list[int]], n: int, gen: GenerationSettings, generator: torch.Generator,
-               packed: PackedDecoder | None = None):
+               packed: PackedDecoder | None = None, episodes: list[Hashable] | None = None):
         """Prefill the left-padded prompts, then one forward per new token for the rows still running: each row's
         tokens (cut at its stop token), whether it hit max_new_tokens, its log-probs, and the rows a `preempt`
-        stopped for newer weights (all at the same length)."""
+        stopped for newer weights (all at the same length). With `episodes` (n = 1), each prompt's episode:
+        what its cache holds of the prompt is not prefilled again, and the cache is kept for its next turn."""
         device = self.model.device
+        decoder = packed if packed is not None else ForwardDecoder(self.model)
         rows = prompts if packed is not None else [ids for ids in prompts for _ in range(n)]
         ids, mask = left_pad(rows, self.pad_id)
         ids, mask = ids.to(device), mask.to(device)
@@ -149,11 +199,13 @@ class HFSampler(Sampler):
         stops = torch.tensor(sorted(self.stop_ids), device=device)
         here = torch.arange(B, device=device)  # batch row -> request row
         running = torch.ones(B, dtype=torch.bool, device=device)  # batch rows that have not stopped
-        if packed is not None:
-            logits = packed.start(ids, mask, n, ids.shape[1] + T)
-            forward, keep = packed.step, packed.keep
+        taken = None if episodes is None else Taken(decoder, rows, ids.shape[1])
+        if taken is not None:
+            logits = self.resumed_prefill(decoder, ids, mask, rows, episodes, ids.shape[1] + T)
         else:
-            logits, forward, keep = self.transformers_loop(ids, mask)
+            logits = decoder.start(ids, mask, n if packed is not None else 1, ids.shape[1] + T)
+            self.caches.count(rows, [None] * len(rows))
+        forward, keep = decoder.step, decoder.keep
         preempted: list[int] = []
         for t in range(T):
             token, lp = self.pick(logits.float(), gen, generator)
@@ -167,36 +219,26 @@ class HFSampler(Sampler):
                 tokens = tokens[:, : t + 1]
                 break
             if alive <= len(here) * (1 - COMPACT_AT) and len(rows_left := compacted(running, alive)) < len(here):
+                if taken is not None:  # the rows leaving the batch: their caches, before they go
+                    taken.take(leaving(rows_left, len(here)), here)
                 keep(rows_left)
                 here, running, token = here[rows_left], running[rows_left], token[rows_left]
             logits = forward(token)
         completions, truncated = cut_at_stop(tokens.cpu(), self.stop_ids)
+        if taken is not None:
+            taken.take(range(len(here)), here)
+            taken.store(self.caches, episodes, completions)
         rows_lp = chosen_lp.tolist()  # one conversion, then list slices (a tensor slice per row cost ~3 us each)
         return completions, truncated, [lp[: len(c)] for lp, c in zip(rows_lp, completions)], preempted
 
-    def transformers_loop(self, ids: torch.Tensor, mask: torch.Tensor):
-        """The prefill's last logits and (step, keep) on the model's own forward and a DynamicCache."""
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        kv = {cache_argument(self.model): cache}
-        state = {"mask": mask, "pos": (mask.cumsum(-1) - 1).clamp(min=0)}
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=state["pos"], use_cache=True,
-                            logits_to_keep=1, **kv).logits[:, -1]
-        state["pos"] = state["pos"][:, -1:] + 1
-
-        def step(token: torch.Tensor) -> torch.Tensor:
-            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(len(token), 1)], 1)
-            out = self.model(input_ids=token[:, None], attention_mask=state["mask"], position_ids=state["pos"],
-                             use_cache=True, **kv).logits[:, -1]
-            state["pos"] = state["pos"] + 1
-            return out
-
-        def keep(rows: torch.Tensor) -> None:
-            cache.batch_select_indices(rows)
-            state["mask"], state["pos"] = state["mask"][rows], state["pos"][rows]
-
-        return logits, step, keep
+    def resumed_prefill(self, decoder, ids, mask, prompts, episodes, width: int) -> torch.Tensor:
+        """The next-token logits of `prompts` (left-padded `ids`/`mask`), each reusing what its episode's cache
+        holds of it; a full prefill where none does (an episode's first turn)."""
+        past = [self.caches.past(key, p) for key, p in zip(episodes, prompts)]
+        self.caches.count(prompts, past)
+        if all(p is None for p in past):
+            return decoder.start(ids, mask, 1, width)
+        return decoder.resume(ids, mask, past, width)
 
     @staticmethod
     def pick(logits: torch.Tensor, gen: GenerationSettings, generator: torch.Generator):
@@ -218,11 +260,11 @@ class HFSampler(Sampler):
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-def cache_argument(model) -> str:
-    """The forward's name for the KV cache: `cache` in newer transformers, `past_key_values` before (a peft
-    model's forward passes its keywords on to the model it wraps: that one's name)."""
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+def leaving(rows_left: torch.Tensor, size: int) -> torch.Tensor:
+    """The batch rows of `size` that are not in `rows_left`."""
+    gone = torch.ones(size, dtype=torch.bool, device=rows_left.device)
+    gone[rows_left] = False
+    return gone.nonzero().flatten()
 
 
 @hookimpl

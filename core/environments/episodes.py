@@ -128,7 +128,17 @@ class Episodes:
 
     def _turns(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
                tools: dict, loop: "EventLoop") -> tuple[bool, float]:
-        """Every episode's turns; whether the sampler gave log-probs, and the seconds spent in the environments."""
+        """Every episode's turns; whether the sampler gave log-probs, and the seconds spent in the environments.
+        The sampler is told which episode each prompt continues (`continuing`: it may keep each one's KV cache
+        between turns) and when an episode ends (`end_episodes`), however the turns end."""
+        try:
+            return self._play(sampler, tokenizer, runs, gen, seed, fmt, tools, loop)
+        finally:
+            sampler.end_episodes(runs)
+
+    def _play(self, sampler, tokenizer, runs: list["_Run"], gen, seed: int, fmt: ToolFormat,
+              tools: dict, loop: "EventLoop") -> tuple[bool, float]:
+        """The turns themselves: each a `generate` call for every running episode, then their environments."""
         budget, has_logprobs, env_s = self.budget(gen), True, 0.0
         for turn in range(self.max_turns):
             active = [r for r in runs if r.ended is None]
@@ -136,7 +146,8 @@ class Episodes:
                 break
             left = budget - min(len(r.transcript.ids) for r in active)  # >= 1: a full episode has ended
             call = gen if left >= gen.max_new_tokens else gen.model_copy(update={"max_new_tokens": left})
-            out = sampler.generate([r.transcript.context for r in active], 1, call, seeds.turn(seed, turn))
+            with sampler.continuing(active):  # an episode (a _Run) is its own key
+                out = sampler.generate([r.transcript.context for r in active], 1, call, seeds.turn(seed, turn))
             has_logprobs &= out.logprobs is not None
             steps = []
             for k, r in enumerate(active):
@@ -158,6 +169,7 @@ class Episodes:
             env_s += time.perf_counter() - started
             for (r, _), answer in zip(steps, answers):
                 r.take(answer, fmt, budget, turn + 1 == self.max_turns, self.name)
+            sampler.end_episodes([r for r in active if r.ended is not None])
         return has_logprobs, env_s
 
 
