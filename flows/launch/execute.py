@@ -281,7 +281,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
     ctx = StageContext(
         name=plan.name, spec=plan.spec,
-        settings=plan.spec.validated_settings(),
+        settings=plan.resolved.settings, resolved=plan.resolved,
         inputs=inputs, work_dir=store.fresh_work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest),
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,

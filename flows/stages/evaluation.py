@@ -23,7 +23,7 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", s
     rows = read_rows(ctx.inputs["eval_dataset"], eval_schema(ctx))[: s.eval_limit]
     own = sampler is None
     if own:
-        sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+        sampler = plugin(ctx, "sampler")
         sampler.load(model, tokenizer)
     try:
         scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, reward_set(ctx),

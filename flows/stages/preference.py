@@ -223,7 +223,7 @@ def load_reference(ctx: StageContext, src: str):
 def run_preference(ctx: StageContext) -> StageResult:
     """Train on preferences, report held-out preference or task accuracy, save the policy."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = plugin(ctx, "algorithm")
     schema = preference_rows(algo, ctx.inputs["dataset"])
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)

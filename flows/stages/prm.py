@@ -50,7 +50,7 @@ def step_feed(engine, pad_id: int) -> Feed:
 def run_prm(ctx: StageContext) -> StageResult:
     """Train the value head and body on step labels, report held-out step accuracy, save the checkpoint."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = plugin(ctx, "algorithm")
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_model_for(ctx, src, value_head=True)

@@ -53,7 +53,7 @@ def reward_feed(engine, pad_id: int, eos_id: int | None) -> Feed:
 def run_reward_model(ctx: StageContext) -> StageResult:
     """Train the value head and body on pairs, report held-out pairwise accuracy, save the checkpoint."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = plugin(ctx, "algorithm")
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_model_for(ctx, src, value_head=True)

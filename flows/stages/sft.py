@@ -30,7 +30,7 @@ def token_feed(engine, pad_id: int) -> Feed:
 def run_sft(ctx: StageContext) -> StageResult:
     """Train, report the held-out loss (and eval_dataset accuracy with rewards), save the model."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = plugin(ctx, "algorithm")
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_policy(ctx, src)

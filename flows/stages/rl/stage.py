@@ -76,10 +76,10 @@ class Parts:
 def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = plugin(ctx, "algorithm")
     check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
-    asynchronous, why = async_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    asynchronous, why = async_choice(ctx, algo, ctx.resolved.sampler.obj)
     log.info("stage %r: asynchronous rollouts %s (%s)", ctx.name, "on" if asynchronous else "off", why)
     dataset = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
@@ -94,7 +94,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     reference, teacher = engine.match(reference), engine.match(teacher)  # attend as the policy does
     if algo.requires_reference and reference is None:
         reference = AdaptersOff(engine.module)
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler = plugin(ctx, "sampler")
     sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
     if asynchronous:
