@@ -89,7 +89,7 @@ def run_checked(pipeline: Path, overrides: list[str], project: Path, artifacts, 
     guard: node 0's report, or on another node, which follows node 0 and lends it its ranks
     (flows/launch/follow.py), {stage: how it went there}."""
     checked = check_pipeline(pipeline, overrides, project, regenerate=True, early=early)
-    with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
+    with shutdown.guarded() as guard:  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
         if options.nodes.rank > 0:
             from alignflow.flows.launch.follow import follow_pipeline  # torch: not for the CLI's quick commands
 
@@ -97,7 +97,7 @@ def run_checked(pipeline: Path, overrides: list[str], project: Path, artifacts, 
         from alignflow.flows.pipeline import run_pipeline  # Prefect and torch: not for the quick commands
 
         with hosting(options.nodes):
-            return run_pipeline(pipeline, overrides, project, artifacts, options, checked)
+            return run_pipeline(pipeline, overrides, project, artifacts, options, checked, guard)
 
 
 def override_list(overrides: Overrides) -> list[str]:

@@ -6,6 +6,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -17,10 +18,14 @@ from alignflow.core.spec.schema import PipelineSpec, StageSpec, resolved_stages
 from alignflow.core.spec.stage import ResolvedStage
 from alignflow.flows import digest as dg
 from alignflow.flows.store.artifacts import ArtifactStore
+from alignflow.flows.launch.shutdown import RunGuard
 from alignflow.flows.options import RunOptions
 from alignflow.flows.preflight import CheckedSpec, check_pipeline
 from alignflow.flows.store.url import open_store
 from alignflow.flows.tracking import Tracker
+
+if TYPE_CHECKING:
+    from alignflow.flows.launch.execute import Launcher
 
 
 @dataclass(frozen=True)
@@ -107,15 +112,21 @@ class Session:
     tracker: Tracker
     plugins: object
     options: RunOptions = field(default_factory=RunOptions)
+    launcher: Launcher | None = None  # how its stages share this process (flows/launch/execute.py)
+    guard: RunGuard = field(default_factory=RunGuard)  # what a stop must stop and close (flows/launch/shutdown.py)
     started: float = field(default_factory=time.perf_counter)
 
 
 def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None,
-                 options: RunOptions = RunOptions(), checked: CheckedSpec | None = None) -> Session:
-    """Plan every stage of the checked spec (None: check the spec with overrides here, regenerating missing data)."""
+                 options: RunOptions = RunOptions(), checked: CheckedSpec | None = None,
+                 guard: RunGuard | None = None) -> Session:
+    """Plan every stage of the checked spec (None: check the spec with overrides here, regenerating missing data);
+    `guard`: the run's stop state, when a caller holds it (the CLI's signal handlers)."""
+    from alignflow.flows.launch.execute import Launcher  # torch and the runners: once a run starts
     checked = check_pipeline(pipeline, overrides, project, regenerate=True) if checked is None else checked
     plugins = get_plugins()
     plans = plan_pipeline(checked.spec, project, plugins, options, checked.stages)
     store = open_store(artifacts if artifacts is not None else project / "artifacts", options)  # a folder or a URL
+    guard = RunGuard() if guard is None else guard
     return Session(checked.spec, yaml.safe_dump(checked.raw, sort_keys=False), project, plans, store,
-                   Tracker(project, checked.spec.name), plugins, options)
+                   Tracker(project, checked.spec.name, guard), plugins, options, Launcher(options), guard)

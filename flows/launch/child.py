@@ -151,7 +151,7 @@ def _run_stage(payload: dict, out, rank: int) -> tuple:
         settings=settings_model(payload["kind"]).model_validate(payload["settings"]),
         inputs={k: Path(v) if is_path else v for k, (is_path, v) in payload["inputs"].items()},
         work_dir=Path(payload["work_dir"]), checkpoint_dir=Path(payload["checkpoint_dir"]),
-        seed=payload["seed"], plugins=plugins,
+        seed=payload["seed"], plugins=plugins, world=payload["world"],
         log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
     )
     result = RUNNERS[payload["kind"]](ctx)

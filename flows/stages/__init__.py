@@ -35,6 +35,7 @@ class StageContext:
     plugins: Any  # alignflow.core.plugins.Plugins
     # its settings and plugins as the pipeline's check validated them (flows/plan.py); None: resolved from `spec`
     resolved: ResolvedStage | None = None
+    world: int = 1  # the data-parallel processes (ranks) the stage runs on, all nodes together
 
     def __post_init__(self):
         if self.resolved is None:  # a context built by hand, or rebuilt from plain data in a child process

@@ -99,7 +99,7 @@ def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
     it saves)."""
     s, name = ctx.settings, ctx.spec.sampler.name
     where = f"stage {ctx.name!r}, settings.async_rollouts"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = ctx.world
     cannot = ("ZeRO-3 shards the weights the rollout worker needs whole: use zero_stage 0-2"
               if s.zero_stage == 3 else
               f"{world} processes: asynchronous rollouts run beside one process (each rank would need a worker of "

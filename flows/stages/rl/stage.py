@@ -11,7 +11,6 @@ a file of its own: rl_guided, rl_replay, rl_costs, rl_state, rl_params.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -111,7 +110,7 @@ def check_ranks(ctx: StageContext) -> None:
     """What running on several data-parallel ranks needs: a prompt per rank, minibatches of a micro-batch
     per rank, and no ZeRO-3 (each rank generates on its own, and a ZeRO-3 forward is a collective every
     rank would have to join)."""
-    s, world = ctx.settings, int(os.environ.get("WORLD_SIZE", "1"))
+    s, world = ctx.settings, ctx.world
     if world == 1:
         return
     if s.zero_stage == 3:
