@@ -85,10 +85,8 @@ def _metrics(total: list[float], values: dict[str, list[float | None]], failed: 
 
 
 def _as_ref(ref: Any) -> tuple[str, float, dict]:
-    if isinstance(ref, (tuple, list)):
-        name, weight, *rest = ref
-        return name, float(weight), dict(rest[0]) if rest else {}
-    return ref.name, float(ref.weight), dict(ref.config)  # a spec RewardRef
+    name, weight, *rest = ref
+    return name, float(weight), dict(rest[0]) if rest else {}
 
 
 def reward_labels(names: list[str]) -> list[str]:
@@ -108,7 +106,7 @@ class RewardSet:
 
     @classmethod
     def from_refs(cls, refs: Iterable[Any], plugins=None) -> "RewardSet":
-        """Build from (name, weight, config) tuples or spec `RewardRef`s; class rewards get their Config."""
+        """Build from (name, weight[, config]) tuples; class rewards get their Config (a stage's come resolved)."""
         if plugins is None:
             from alignflow.core.plugins import get_plugins
 

@@ -90,9 +90,8 @@ def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: st
                   checked: CheckedSpec | None = None, guard: shutdown.RunGuard | None = None) -> PipelineReport:
     """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants. `options`:
     `RunOptions.as_dict()`; None (a deployment's run, a flow of your own) reads them from the environment.
-    `checked`: the spec as `run_pipeline` checked it (None: checked here); `guard`: the run's stop state
-    (flows/launch/shutdown.py), when its caller holds one."""
-    guard = shutdown.RunGuard() if guard is None else guard
+    `checked`, `guard`: the checked spec and the run's stop state, when the caller holds them (else made here)."""
+    guard = guard or shutdown.RunGuard()
     guard.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
     run_options = RunOptions.from_env() if options is None else RunOptions.from_dict(options)
     session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
@@ -134,8 +133,7 @@ def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path
                  checked: CheckedSpec | None = None, guard: shutdown.RunGuard | None = None) -> PipelineReport:
     """Run `pipeline_flow` on the checked spec (None: check it first, before anything starts) with `options`
     (None: `RunOptions.from_env()`) and return its report, also when stages failed."""
-    if checked is None:
-        checked = check_pipeline(pipeline, list(overrides), project, regenerate=True)
+    checked = checked or check_pipeline(pipeline, list(overrides), project, regenerate=True)
     options = RunOptions.from_env() if options is None else options
     start_temporary_server()  # one at a time per database, before the flow would start one unguarded
     state = pipeline_flow(str(pipeline), list(overrides), str(project),

@@ -30,8 +30,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage as it will run: `inputs` maps each input to a path, hub id or upstream stage name; `resolved`,
-    its settings and plugins as the check validated them (what the digest and the runner read)."""
+    """One stage as it will run: its blocks resolved (what the digest and the runner read), and its inputs."""
 
     name: str
     spec: StageSpec
@@ -63,8 +62,7 @@ def runner_version(kind: str) -> dict:
 def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOptions = RunOptions(),
                   resolved: dict[str, ResolvedStage] | None = None) -> dict[str, StagePlan]:
     """Plans in dependency order; a stage's digest folds in its upstream stages' digests (and, for a
-    rank-dependent kind, the number of ranks `options` gives it). `resolved`: the checked spec's stages
-    (None: resolved here, for a spec parsed by hand)."""
+    rank-dependent kind, the number of ranks `options` gives it); `resolved`: the checked spec's stages (None: here)."""
     resolved = resolved_stages(spec, plugins) if resolved is None else resolved
     data_version = dg.data_version(project)
     plans: dict[str, StagePlan] = {}
@@ -123,10 +121,10 @@ def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts:
     """Plan every stage of the checked spec (None: check the spec with overrides here, regenerating missing data);
     `guard`: the run's stop state, when a caller holds it (the CLI's signal handlers)."""
     from alignflow.flows.launch.execute import Launcher  # torch and the runners: once a run starts
-    checked = check_pipeline(pipeline, overrides, project, regenerate=True) if checked is None else checked
+    checked = checked or check_pipeline(pipeline, overrides, project, regenerate=True)
     plugins = get_plugins()
     plans = plan_pipeline(checked.spec, project, plugins, options, checked.stages)
     store = open_store(artifacts if artifacts is not None else project / "artifacts", options)  # a folder or a URL
-    guard = RunGuard() if guard is None else guard
+    guard = guard or RunGuard()
     return Session(checked.spec, yaml.safe_dump(checked.raw, sort_keys=False), project, plans, store,
                    Tracker(project, checked.spec.name, guard), plugins, options, Launcher(options), guard)

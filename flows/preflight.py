@@ -14,13 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from alignflow.core.task.constitution import constitution_problems
 from alignflow.core.train.datasets import check_row
 from alignflow.core.errors import SpecError
 from alignflow.core.spec.kinds import stage_kind
-from alignflow.core.spec.schema import PipelineSpec, StageSpec, parse_shape, resolve_stages, stages_of
+from alignflow.core.spec.schema import PipelineSpec, StageSpec, parse_shape, read_yaml, resolve_stages, stages_of
 from alignflow.core.spec.stage import ResolvedStage, resolve_input
 from alignflow.flows.overrides import apply_overrides
 
@@ -34,18 +32,6 @@ class CheckedSpec:
     spec: PipelineSpec
     raw: dict  # the YAML with the overrides applied: what `reproduce` reruns
     stages: dict[str, ResolvedStage]  # each stage of `spec.stages` (a loop's every round) resolved
-
-
-def read_yaml(path: Path):
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such pipeline file") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"{where}: not valid YAML: {problem}") from None
 
 
 def dataset_schema(stage: StageSpec, plugins) -> str | None:

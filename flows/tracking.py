@@ -135,7 +135,7 @@ class Tracker:
         shutdown.close_dead_runs(self.client, self.experiment_id)  # runs a killed attempt left RUNNING
         run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **shutdown.owner_tags()})
         self.parent_id = run.info.run_id
-        self.guard.opened(self.client, self.parent_id)
+        self.guard.open_runs[self.parent_id] = self.client
         self._log(self.parent_id, params=flatten(params))
         for artifact, text in files.items():
             self.client.log_text(self.parent_id, text, artifact)
@@ -144,13 +144,13 @@ class Tracker:
     def end_pipeline(self, failed: bool, metrics: dict[str, float]) -> None:
         self._log(self.parent_id, metrics=metrics)
         self.client.set_terminated(self.parent_id, "FAILED" if failed else "FINISHED")
-        self.guard.closed(self.parent_id)
+        self.guard.open_runs.pop(self.parent_id, None)
 
     def stage_run(self, stage: str, params: dict, tags: dict[str, str]) -> StageRun:
         """A nested run under the parent for one stage."""
         run = self.client.create_run(self.experiment_id, run_name=stage,
                                      tags={**tags, PARENT_TAG: self.parent_id, **shutdown.owner_tags()})
-        self.guard.opened(self.client, run.info.run_id)
+        self.guard.open_runs[run.info.run_id] = self.client
         self._log(run.info.run_id, params=flatten(params))
         return StageRun(self, run.info.run_id)
 
@@ -207,7 +207,7 @@ class StageRun:
         if curves:
             self._log_plots(curves)
         self.tracker.client.set_terminated(self.run_id, "FAILED" if status == "failed" else "FINISHED")
-        self.tracker.guard.closed(self.run_id)
+        self.tracker.guard.open_runs.pop(self.run_id, None)
 
     def _log_plots(self, curves: dict[str, list[tuple[int, float]]]) -> None:
         import matplotlib

@@ -69,16 +69,22 @@ class PipelineSpec(BaseModel):
         return self.stages if self._written is None else self._written
 
 
-def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
-    """Read, validate and check a pipeline YAML; every error names the file, stage and field."""
-    path = Path(path)
+def read_yaml(path: Path):
+    """A pipeline file's YAML; a SpecError names the file, and the line and column of a syntax error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise SpecError(f"{path}: no such pipeline file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    return parse_spec(raw, str(path), plugins)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+
+
+def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
+    """Read, validate and check a pipeline YAML; every error names the file, stage and field."""
+    return parse_spec(read_yaml(Path(path)), str(path), plugins)
 
 
 def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:

@@ -128,8 +128,7 @@ class ResolvedStage:
 
 
 def resolve_stage(stage: "StageSpec", plugins, where: str = "stage", settings: Any = None) -> ResolvedStage:
-    """Every block of `stage` validated (`settings` when already validated); the first problem raises a SpecError
-    (the pipeline check reports them all first, core/spec/schema.py)."""
+    """Every block of `stage` validated (`settings`: already validated); the first problem raises a SpecError."""
     def one(ref, registry, field):
         return resolve_plugin(ref, registry, f"{where}, {field}") if ref is not None else None
 

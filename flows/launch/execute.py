@@ -93,10 +93,9 @@ class OrderedSlots:
 
 
 class Launcher:
-    """How one run starts its stages in this process (a session owns one): `options.parallel_stages` ordered
-    slots, and the process itself, where one stage at a time runs on its share of the torch threads (a
-    sibling that finds it taken runs in a child process on the same share, so where a stage ran never
-    changes its numbers)."""
+    """How one run starts its stages in this process (its session owns one): `options.parallel_stages` ordered
+    slots, and the process, where one stage at a time runs on its share of the torch threads (a sibling
+    finding it taken runs in a child on the same share: where a stage ran never changes its numbers)."""
 
     def __init__(self, options: RunOptions = RunOptions()):
         self.options, self.slots, self.here = options, OrderedSlots(options.parallel_stages), threading.Lock()
@@ -153,12 +152,6 @@ class Launcher:
 def thread_share(threads: int, n: int) -> int:
     """Each of `n` sharers' part of `threads` torch threads, at least 1."""
     return max(1, threads // n)
-
-
-def stage_fingerprint(plan: StagePlan, ctx: StageContext, launcher: Launcher) -> dict:
-    """The environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses."""
-    plugins = {v["distribution"]: v["version"] for v in plan.versions["plugins"].values()}
-    return fingerprint(ctx.settings, plugins, launcher.stage_threads(plan.kind, ctx))
 
 
 class StageFailed(AlignflowError):
@@ -284,7 +277,9 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         world=data_parallel_ranks(plan.kind, launcher.options),
     )
     resumed = ctx.resuming()
-    env = stage_fingerprint(plan, ctx, launcher)
+    # the environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses
+    env = fingerprint(ctx.settings, {v["distribution"]: v["version"] for v in plan.versions["plugins"].values()},
+                      launcher.stage_threads(plan.kind, ctx))
     clock = []
     try:
         result = launcher.call_runner(plan.kind, ctx, clock, plan.order)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.kinds import DATA_PARALLEL_KINDS
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.launch.execute import StageOutcome, resolve_inputs, thread_share
@@ -44,8 +45,6 @@ def follow_pipeline(checked: CheckedSpec, project: Path, artifacts: Path | str |
                     options: RunOptions) -> dict[str, str]:
     """Follow node 0's run of the checked pipeline to its end, on the node `options.nodes` names; {stage: how it
     went here}. Raises NodeStopped naming the first stage that failed (here or on node 0)."""
-    from alignflow.core.plugins import get_plugins
-
     nodes, spec, plugins = options.nodes, checked.spec, get_plugins()
     plans = plan_pipeline(spec, project, plugins, options, checked.stages)
     store = ArtifactStore(Path(artifacts).resolve() if artifacts is not None else project / "artifacts")

@@ -65,12 +65,6 @@ class RunGuard:
         self.handling = False  # its handlers are installed (by the CLI; a library caller keeps its own)
         self.watchdog: int | None = None  # the watchdog's pid, which a stop spares
 
-    def opened(self, client, run_id: str) -> None:
-        self.open_runs[run_id] = client
-
-    def closed(self, run_id: str) -> None:
-        self.open_runs.pop(run_id, None)
-
     def running_flow(self, flow_run_id: str) -> None:
         """Remember the flow run to set Crashed; take SIGTERM back from Prefect's engine, whose handler
         crashes the flow but then waits for the running stage threads to finish."""
@@ -91,7 +85,7 @@ class RunGuard:
             try:
                 client.set_tag(run_id, "alignflow.status", "killed")
                 client.set_terminated(run_id, "KILLED")
-                self.closed(run_id)
+                self.open_runs.pop(run_id, None)
             except Exception as exc:  # the store may be locked by a thread that was mid-write
                 log.warning("could not close MLflow run %s: %s", run_id, exc)
 

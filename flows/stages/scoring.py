@@ -23,7 +23,7 @@ from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.environments.episodes import Episodes, episode_metrics
 from alignflow.core.rewards import Reward, RewardOutput, RewardSet, reward_labels
 from alignflow.core.sampling import Generation
-from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source
 
 CORRECT_AT = 1.0 - 1e-6
 CHUNK = 64  # prompts per sampler call, each call seeded by its first prompt's place
@@ -119,7 +119,7 @@ def loaded_sampler(ctx, key: str = "model"):
     """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer;
     closed (its engine stopped) when the block ends. A sampler that `loads_checkpoint` gets the folder."""
     join_ranks()  # a rank's GPU is chosen as it joins: before the model moves there
-    sampler = plugin(ctx, "sampler")
+    sampler = ctx.resolved.sampler.build()
     with model_source(ctx, key) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         if sampler.loads_checkpoint:

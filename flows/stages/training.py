@@ -63,11 +63,6 @@ def lora_rank(settings) -> int:
     return lora.r if lora is not None else 0
 
 
-def plugin(ctx: StageContext, field: str):
-    """The stage's `algorithm` or `sampler`, built with its `config:` block as the check validated it."""
-    return getattr(ctx.resolved, field).build()
-
-
 def total_steps(n_rows: int, settings) -> int:
     """Optimizer steps: `max_steps`, or `epochs` passes over the rows in whole batches."""
     if settings.max_steps is not None:

@@ -42,7 +42,7 @@ from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teach
 from alignflow.flows.stages.rl.state import checkpoint_state, consumed_entry, resume
 from alignflow.flows.stages.rl.update import Knobs, Targets, critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
-from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
+from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, \
     save_pretrained
 
 __all__ = ["check_ranks", "rl_steps", "run_rl"]
@@ -75,7 +75,7 @@ class Parts:
 def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
-    algo = plugin(ctx, "algorithm")
+    algo = ctx.resolved.algorithm.build()
     check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
     asynchronous, why = async_choice(ctx, algo, ctx.resolved.sampler.obj)
@@ -93,7 +93,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     reference, teacher = engine.match(reference), engine.match(teacher)  # attend as the policy does
     if algo.requires_reference and reference is None:
         reference = AdaptersOff(engine.module)
-    sampler = plugin(ctx, "sampler")
+    sampler = ctx.resolved.sampler.build()
     sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
     if asynchronous:
