@@ -25,7 +25,7 @@ import yaml
 
 from alignflow.core import pyast
 from alignflow.core.contracts import digest_dump
-from alignflow.core.spec.stage import ResolvedStage, StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
+from alignflow.core.spec.stage import ResolvedStage, StageSpec, resolve_input  # noqa: F401  (dg.resolve_input)
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
 
@@ -277,8 +277,8 @@ def stage_config(stage: StageSpec, resolved: ResolvedStage) -> dict:
         "kind": stage.kind,
         "algorithm": ref(stage.algorithm, resolved.algorithm) if stage.algorithm else None,
         "sampler": ref(stage.sampler, resolved.sampler) if stage.sampler else None,
-        "rewards": [ref(r, use) for r, use in zip(stage.rewards, resolved.rewards)],
-        "selectors": [ref(s, use) for s, use in zip(stage.selectors, resolved.selectors)],
+        "rewards": [ref(r, use) for r, use in zip(stage.rewards, resolved.rewards, strict=True)],
+        "selectors": [ref(s, use) for s, use in zip(stage.selectors, resolved.selectors, strict=True)],
         "settings": digest_dump(resolved.settings),
     }
     if stage.environment is not None:  # only then: the digests of stages without one stay as they were

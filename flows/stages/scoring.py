@@ -68,7 +68,7 @@ def reward_set(ctx) -> RewardSet:
     environment its episode reward comes first (so it decides which samples are correct), under its name."""
     labels = reward_labels([ref.name for ref in ctx.spec.rewards])
     rewards = [Reward(label, ref.weight, with_inputs(ctx, ref.config, use).build())
-               for label, ref, use in zip(labels, ctx.spec.rewards, ctx.resolved.rewards)]
+               for label, ref, use in zip(labels, ctx.spec.rewards, ctx.resolved.rewards, strict=True)]
     env = ctx.spec.environment
     if env is not None:
         rewards.insert(0, Reward(env.name, env.weight, episode_reward))

@@ -71,7 +71,8 @@ def test_the_digest_holds_the_environment_its_limits_and_its_code_and_stages_wit
     assert versions["environment/math_tools"]["distribution"] == "alignflow"
     assert len(versions["environment/math_tools"]["source"]) == 64  # a hash of the code it imports
     plain = parse(rl__environment=None, rl__rewards=["math_accuracy"])
-    assert "environment" not in stage_config(plain.stages["rl"], resolved_stages(plain, plugins)["rl"])  # earlier digests stay valid
+    # earlier digests stay valid
+    assert "environment" not in stage_config(plain.stages["rl"], resolved_stages(plain, plugins)["rl"])
 
 
 TIME = {"command": ["mcp-server-time", "--local-timezone", "UTC"], "tools": ["convert_time"]}
@@ -106,7 +107,8 @@ def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
     assert all(other != config for other in others)
     assert env_config({**TIME, "start_timeout_s": 5}) == config  # how long a start may take changes no result
     without = parse()
-    assert "mcp" not in stage_config(without.stages["rl"], resolved_stages(without, plugins)["rl"])["environment"]  # earlier digests stay
+    # earlier digests stay
+    assert "mcp" not in stage_config(without.stages["rl"], resolved_stages(without, plugins)["rl"])["environment"]
 
 
 def test_a_stage_s_episodes_carry_its_mcp_servers(tmp_path):

@@ -93,7 +93,8 @@ def test_the_printed_figure_is_deepspeeds_estimator(qwen05, zero, opt, params):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     spec = spec_of(SPEC.format(model=qwen05, zero=zero, opt=opt, params=params))
-    memory = stage_memory(spec, "train", resolved_stages(spec, get_plugins())["train"], Path("."), gpus_per_node=4, nodes=2)
+    resolved = resolved_stages(spec, get_plugins())["train"]
+    memory = stage_memory(spec, "train", resolved, Path("."), gpus_per_node=4, nodes=2)
     if zero == 2:
         _, gpu = estimate_zero2_model_states_mem_needs(QWEN05_PARAMS, 4, 2, cpu_offload=opt == "cpu")
         table = ds_table(estimate_zero2_model_states_mem_needs_all_cold, QWEN05_PARAMS, 4, 2)
