@@ -14,8 +14,7 @@ from alignflow.core.fingerprint import library_versions
 from alignflow.core.spec.kinds import RANK_DEPENDENT_KINDS
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.rounds import RoundOf, round_seed
-from alignflow.core.spec.schema import PipelineSpec, StageSpec, resolved_stages
-from alignflow.core.spec.stage import ResolvedStage
+from alignflow.core.spec.schema import PipelineSpec, ResolvedStage, StageSpec, resolved_stages
 from alignflow.flows import digest as dg
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.launch.shutdown import RunGuard

@@ -18,7 +18,7 @@ from alignflow.core.task.constitution import constitution_problems
 from alignflow.core.train.datasets import check_row
 from alignflow.core.errors import SpecError
 from alignflow.core.spec.kinds import stage_kind
-from alignflow.core.spec.schema import PipelineSpec, StageSpec, parse_shape, read_yaml, resolve_stages, stages_of
+from alignflow.core.spec.schema import PipelineSpec, parse_shape, read_yaml, resolve_stages, stages_of
 from alignflow.core.spec.stage import ResolvedStage, resolve_input
 from alignflow.flows.overrides import apply_overrides
 
@@ -32,12 +32,6 @@ class CheckedSpec:
     spec: PipelineSpec
     raw: dict  # the YAML with the overrides applied: what `reproduce` reruns
     stages: dict[str, ResolvedStage]  # each stage of `spec.stages` (a loop's every round) resolved
-
-
-def dataset_schema(stage: StageSpec, plugins) -> str | None:
-    """The row schema a stage's `dataset` input must hold (its kind's record, core/spec/kinds.py); None: any JSON
-    objects. Some depend on the stage's algorithm (pairs or labelled rows): they need `plugins`."""
-    return stage_kind(stage.kind).dataset_schema(stage, plugins)
 
 
 def jsonl_problems(path: Path, schema: str | None) -> list[str]:
@@ -112,7 +106,8 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
                 continue
             if field == "dataset" and kind.needs_plugins(stage) and plugins is None:
                 continue
-            schema = dataset_schema(stage, plugins) if field == "dataset" else None
+            # the rows its kind's record names (core/spec/kinds.py; some follow the algorithm); None: any JSON objects
+            schema = kind.dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
                 checked.add((resolved, schema))
                 problems += [f"stage {label!r}, inputs.{field}: {p}" for p in jsonl_problems(resolved, schema)]
