@@ -84,11 +84,6 @@ def _metrics(total: list[float], values: dict[str, list[float | None]], failed: 
     return metrics
 
 
-def _as_ref(ref: Any) -> tuple[str, float, dict]:
-    name, weight, *rest = ref
-    return name, float(weight), dict(rest[0]) if rest else {}
-
-
 def reward_labels(names: list[str]) -> list[str]:
     """Each listed reward's label: its name, or NAME_i (i its place in the list) for a reward listed twice, as
     two judges."""
@@ -111,7 +106,7 @@ class RewardSet:
             from alignflow.core.plugins import get_plugins
 
             plugins = get_plugins()
-        refs = [_as_ref(r) for r in refs]
+        refs = [(name, float(weight), dict(rest[0]) if rest else {}) for name, weight, *rest in refs]
         rewards = []
         for i, ((name, weight, config), label) in enumerate(zip(refs, reward_labels([n for n, _, _ in refs]))):
             obj = plugins.rewards.get(name)

@@ -89,8 +89,7 @@ def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: st
                   artifacts: str | None = None, options: dict | None = None,
                   checked: CheckedSpec | None = None, guard: shutdown.RunGuard | None = None) -> PipelineReport:
     """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants. `options`:
-    `RunOptions.as_dict()`; None (a deployment's run, a flow of your own) reads them from the environment.
-    `checked`, `guard`: the checked spec and the run's stop state, when the caller holds them (else made here)."""
+    `RunOptions.as_dict()`, else (a deployment's run) from the environment; `checked`, `guard`: else made here."""
     guard = guard or shutdown.RunGuard()
     guard.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
     run_options = RunOptions.from_env() if options is None else RunOptions.from_dict(options)

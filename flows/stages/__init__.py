@@ -33,8 +33,7 @@ class StageContext:
     seed: int  # settings.seed when given, else the pipeline's seed
     log_metrics: MetricsLogger  # (metrics, step) -> MLflow, and the step curves of the summary
     plugins: Any  # alignflow.core.plugins.Plugins
-    # its settings and plugins as the pipeline's check validated them (flows/plan.py); None: resolved from `spec`
-    resolved: ResolvedStage | None = None
+    resolved: ResolvedStage | None = None  # its blocks as the pipeline's check validated them; None: from `spec`
     world: int = 1  # the data-parallel processes (ranks) the stage runs on, all nodes together
 
     def __post_init__(self):
