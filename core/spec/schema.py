@@ -206,8 +206,7 @@ def check_shape(name: str, stage: StageSpec, source: str) -> None:
 
 
 def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> tuple[ResolvedStage | None, list[str]]:
-    """(the stage resolved, None when it has a problem; every problem with its plugins: unknown, serving another
-    kind, bad config), each plugin's config validated once."""
+    """(the stage resolved, or None; its plugins' problems: unknown, serving another kind, a bad config)."""
     where = f"{source}: stage {name!r}"
     problems = []
 

@@ -211,8 +211,7 @@ def model_input(spec, name: str, key: str) -> str:
 
 def stage_memory(spec, name: str, resolved, project: Path = Path("."), gpus_per_node: int = 1,
                  nodes: int = 1) -> StageMemory:
-    """The estimate for training stage `name` of a validated spec (`resolved`: the stage resolved,
-    core/spec/stage.py), on `gpus_per_node` x `nodes` ranks."""
+    """The estimate for training stage `name` (`resolved`: its blocks) on `gpus_per_node` x `nodes` ranks."""
     stage, s = spec.stages[name], resolved.settings
     memory = StageMemory(spec.label(name), stage.kind, s.zero_stage, s.offload_optimizer, s.offload_params,
                          gpus_per_node, nodes, s.precision)

@@ -1,5 +1,4 @@
-"""What a stage's training settings give DeepSpeed: its config (batches, ZeRO, offload, precision), the optimizer
-and the learning-rate schedule (core/train/engine.py builds the engine from them)."""
+"""What a stage's training settings give DeepSpeed (core/train/engine.py): its config, optimizer and LR schedule."""
 
 from __future__ import annotations
 

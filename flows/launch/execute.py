@@ -93,9 +93,8 @@ class OrderedSlots:
 
 
 class Launcher:
-    """How one run starts its stages in this process (its session owns one): `options.parallel_stages` ordered
-    slots, and the process, where one stage at a time runs on its share of the torch threads (a sibling
-    finding it taken runs in a child on the same share: where a stage ran never changes its numbers)."""
+    """How one run starts its stages here (its session owns one): `options.parallel_stages` ordered slots, and this
+    process, where one stage at a time runs on its share of the threads (else a child on the same share)."""
 
     def __init__(self, options: RunOptions = RunOptions()):
         self.options, self.slots, self.here = options, OrderedSlots(options.parallel_stages), threading.Lock()
@@ -274,7 +273,7 @@ def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plu
         inputs=inputs, work_dir=store.fresh_work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest),
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
-        world=data_parallel_ranks(plan.kind, launcher.options),
+        world=data_parallel_ranks(plan.kind, launcher.options), options=launcher.options,
     )
     resumed = ctx.resuming()
     # the environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses

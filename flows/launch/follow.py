@@ -103,7 +103,7 @@ def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, options: RunO
         name=plan.name, spec=plan.spec, settings=plan.resolved.settings, resolved=plan.resolved,
         inputs=resolve_inputs(plan, done), work_dir=store.work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest), seed=plan.seed, plugins=plugins,
-        world=options.total_processes,
+        world=options.total_processes, options=options,
         log_metrics=lambda metrics, step: None,  # rank 0, on node 0, reports the stage
     )
     local = options.nproc

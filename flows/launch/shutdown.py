@@ -90,8 +90,7 @@ class RunGuard:
                 log.warning("could not close MLflow run %s: %s", run_id, exc)
 
     def install_handlers(self) -> dict | None:
-        """SIGINT and SIGTERM stop the run as the module docstring says (main thread only); returns the
-        handlers they replaced, None off the main thread (the process's owner handles signals there)."""
+        """SIGINT and SIGTERM stop the run (main thread only): the handlers they replaced; None off the main thread."""
         try:
             previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         except ValueError:

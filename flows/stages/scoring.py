@@ -76,8 +76,7 @@ def reward_set(ctx) -> RewardSet:
 
 
 def with_inputs(ctx, written: dict, use):
-    """`use` with each config value written `${inputs.NAME}` replaced by that resolved input (its digest reads
-    the value as written, so a new upstream artifact is an input change, not a config change)."""
+    """`use` with each config value written `${inputs.NAME}` replaced by that input (the digest reads it as written)."""
     given = {k: value for k, v in written.items() if (value := _input_value(ctx, v)) is not v}
     return replace(use, config=use.config.model_copy(update=given)) if given else use
 
