@@ -1,7 +1,7 @@
 """Each multi-turn episode's KV cache, kept between its turns so a turn prefills only the tokens that are new.
 
 An episode's next prompt is its last prompt, the tokens sampled for it, and the environment's reply. After a turn
-the packed decoder (`alignflow.core.decoder`) holds the keys and values of the first two; kept under the episode's
+the packed decoder (`alignflow.core.train.decoder`) holds the keys and values of the first two; kept under the episode's
 key, the next turn reuses them for the longest prefix they share with its prompt (all of them, unless a chat
 template rendered earlier tokens differently: then up to the first token that differs, and none when the first
 does: a full prefill) and computes only the rest. Attention is causal, so a prefix's keys and values depend on that

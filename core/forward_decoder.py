@@ -1,6 +1,6 @@
 """Decoding on a model's own forward and a transformers `DynamicCache`, behind the packed decoder's interface.
 
-The packed decoder (`alignflow.core.decoder`) rebuilds Llama-family models only; this runs every model transformers
+The packed decoder (`alignflow.core.train.decoder`) rebuilds Llama-family models only; this runs every model transformers
 runs (and the policy on a GPU), so the `hf` sampler's loop and its episode caches (`alignflow.core.episode_cache`)
 serve both. `start` prefills left-padded prompts, `step` appends one token per running row, `keep` drops the rows
 that stopped, `resume` prefills only the tokens after each prompt's known prefix, `row` copies one row's cache out.

@@ -84,13 +84,6 @@ def _metrics(total: list[float], values: dict[str, list[float | None]], failed: 
     return metrics
 
 
-def _as_ref(ref: Any) -> tuple[str, float, dict]:
-    if isinstance(ref, (tuple, list)):
-        name, weight, *rest = ref
-        return name, float(weight), dict(rest[0]) if rest else {}
-    return ref.name, float(ref.weight), dict(ref.config)  # a spec RewardRef
-
-
 def reward_labels(names: list[str]) -> list[str]:
     """Each listed reward's label: its name, or NAME_i (i its place in the list) for a reward listed twice, as
     two judges."""
@@ -108,12 +101,12 @@ class RewardSet:
 
     @classmethod
     def from_refs(cls, refs: Iterable[Any], plugins=None) -> "RewardSet":
-        """Build from (name, weight, config) tuples or spec `RewardRef`s; class rewards get their Config."""
+        """Build from (name, weight[, config]) tuples; class rewards get their Config (a stage's come resolved)."""
         if plugins is None:
             from alignflow.core.plugins import get_plugins
 
             plugins = get_plugins()
-        refs = [_as_ref(r) for r in refs]
+        refs = [(name, float(weight), dict(rest[0]) if rest else {}) for name, weight, *rest in refs]
         rewards = []
         for i, ((name, weight, config), label) in enumerate(zip(refs, reward_labels([n for n, _, _ in refs]))):
             obj = plugins.rewards.get(name)

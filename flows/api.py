@@ -21,11 +21,10 @@ from typing import Any
 
 import yaml
 
-from alignflow.core.spec.schema import PipelineSpec
 from alignflow.flows.launch import shutdown
 from alignflow.flows.launch.nodes import hosting
 from alignflow.flows.options import RunOptions
-from alignflow.flows.preflight import check_pipeline
+from alignflow.flows.preflight import CheckedSpec, check_pipeline
 from alignflow.flows.report import PipelineReport
 
 Pipeline = str | Path | Mapping[str, Any]
@@ -77,8 +76,9 @@ def run(pipeline: Pipeline, overrides: Overrides = None, *, project: str | Path 
     return RunResult(report)
 
 
-def validate(pipeline: Pipeline, overrides: Overrides = None, *, project: str | Path | None = None) -> PipelineSpec:
-    """The validated spec, as `alignflow validate` checks it; a SpecError lists every problem."""
+def validate(pipeline: Pipeline, overrides: Overrides = None, *, project: str | Path | None = None) -> CheckedSpec:
+    """The checked spec (`.spec`, and each stage's settings and plugin configs as values in `.stages`), as
+    `alignflow validate` checks it; a SpecError lists every problem."""
     with spec_file(pipeline) as path:
         return check_pipeline(path, override_list(overrides), Path(project or Path.cwd()).resolve())
 
@@ -88,16 +88,16 @@ def run_checked(pipeline: Path, overrides: list[str], project: Path, artifacts, 
     """Check the spec before Prefect or a model starts (`early`: preflight's), then run it under the signal
     guard: node 0's report, or on another node, which follows node 0 and lends it its ranks
     (flows/launch/follow.py), {stage: how it went there}."""
-    check_pipeline(pipeline, overrides, project, regenerate=True, early=early)
-    with shutdown.guarded():  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
+    checked = check_pipeline(pipeline, overrides, project, regenerate=True, early=early)
+    with shutdown.guarded() as guard:  # SIGINT/SIGTERM: all stopped and closed; SIGKILL: a watchdog cleans up
         if options.nodes.rank > 0:
             from alignflow.flows.launch.follow import follow_pipeline  # torch: not for the CLI's quick commands
 
-            return follow_pipeline(pipeline, overrides, project, artifacts, options)
+            return follow_pipeline(checked, project, artifacts, options)
         from alignflow.flows.pipeline import run_pipeline  # Prefect and torch: not for the quick commands
 
         with hosting(options.nodes):
-            return run_pipeline(pipeline, overrides, project, artifacts, options)
+            return run_pipeline(pipeline, overrides, project, artifacts, options, checked, guard)
 
 
 def override_list(overrides: Overrides) -> list[str]:

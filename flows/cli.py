@@ -76,19 +76,20 @@ def _show_plugin(args, matches) -> int:
 
 def cmd_validate(args) -> int:
     """Validate a pipeline spec, print its stage DAG and each training stage's estimated memory per GPU."""
-    spec = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
+    checked = check_pipeline(Path(args.pipeline), [], Path.cwd(), early=_show_early)
+    spec = checked.spec
     if args.mermaid:  # plain text for a Markdown page: no colours, no memory estimate
         print(mermaid(spec), end="")
         return 0
     console.print(dag_tree(spec, args.pipeline))
-    return show_memory(spec, args)
+    return show_memory(checked, args)
 
 
-def show_memory(spec, args) -> int:
+def show_memory(checked, args) -> int:
     """Each training stage's estimated memory per GPU (core/train/memory.py); 1 when one exceeds --gpu-memory."""
     limit = parse_size(args.gpu_memory) if args.gpu_memory else None
     gpus = RunOptions.from_env(nproc=args.nproc).nproc
-    estimates = pipeline_memory(spec, get_plugins(), Path.cwd(), gpus, args.nnodes)
+    estimates = pipeline_memory(checked.spec, checked.stages, Path.cwd(), gpus, args.nnodes)
     if not estimates:
         return 0
     console.print(f"[bold]memory per GPU[/bold] ({gpus} process{'es' if gpus > 1 else ''} per node x {args.nnodes} "

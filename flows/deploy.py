@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from alignflow.flows.pipeline import load_pipeline, pipeline_flow
+from alignflow.flows.pipeline import pipeline_flow
+from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.launch.pools import deploy_stage_flow, ensure_process_pool
 
 
@@ -20,7 +21,7 @@ def deploy(pipeline: Path, cron: str, pool: str, project: Path, name: str | None
     name and those pools. Its runs take their options from the worker's environment (`pipeline_flow`)."""
     from prefect.deployments.runner import EntrypointType
 
-    spec = load_pipeline(pipeline, [])
+    spec = check_pipeline(pipeline, [], project, regenerate=True).spec
     ensure_process_pool(pool)
     name = name or spec.name
     # A module entrypoint: the worker imports the installed alignflow, so no code storage is needed.

@@ -25,7 +25,7 @@ import yaml
 
 from alignflow.core import pyast
 from alignflow.core.contracts import digest_dump
-from alignflow.core.spec.stage import StageSpec, resolve_input  # noqa: F401  resolve_input: dg.resolve_input
+from alignflow.core.spec.stage import ResolvedStage, StageSpec, resolve_input  # noqa: F401  (dg.resolve_input)
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
 
@@ -266,27 +266,24 @@ def data_version(project: Path) -> str | None:
     return outs[0].get("md5") if outs else None
 
 
-def stage_config(name: str, stage: StageSpec, plugins) -> dict:
-    """The stage's config: its checked plugin configs and settings (core/spec/stage.py), defaults filled, as JSON,
+def stage_config(stage: StageSpec, resolved: ResolvedStage) -> dict:
+    """The stage's config: its resolved plugin configs and settings (core/spec/stage.py), defaults filled, as JSON,
     without operational fields (`alignflow.core.contracts.operational`: a scorer's URL, timeouts)."""
-    where = f"stage {name!r}"
-
-    def ref(r, registry, field):
-        cfg = r.validated(registry, f"{where}, {field}")
-        out = {"name": r.name, "config": digest_dump(cfg) if cfg is not None else {}}
+    def ref(r, use):
+        out = {"name": r.name, "config": digest_dump(use.config) if use.config is not None else {}}
         return {**out, "weight": r.weight} if hasattr(r, "weight") else out
 
     config = {
         "kind": stage.kind,
-        "algorithm": ref(stage.algorithm, plugins.algorithms, "algorithm") if stage.algorithm else None,
-        "sampler": ref(stage.sampler, plugins.samplers, "sampler") if stage.sampler else None,
-        "rewards": [ref(r, plugins.rewards, f"rewards[{i}]") for i, r in enumerate(stage.rewards)],
-        "selectors": [ref(s, plugins.selectors, f"selectors[{i}]") for i, s in enumerate(stage.selectors)],
-        "settings": digest_dump(stage.validated_settings(f"{where}, settings")),
+        "algorithm": ref(stage.algorithm, resolved.algorithm) if stage.algorithm else None,
+        "sampler": ref(stage.sampler, resolved.sampler) if stage.sampler else None,
+        "rewards": [ref(r, use) for r, use in zip(stage.rewards, resolved.rewards, strict=True)],
+        "selectors": [ref(s, use) for s, use in zip(stage.selectors, resolved.selectors, strict=True)],
+        "settings": digest_dump(resolved.settings),
     }
     if stage.environment is not None:  # only then: the digests of stages without one stay as they were
         env = stage.environment
-        config["environment"] = {**ref(env, plugins.environments, "environment"), "max_turns": env.max_turns,
+        config["environment"] = {**ref(env, resolved.environment), "max_turns": env.max_turns,
                                  "max_tokens": env.max_tokens, "tool_format": env.tool_format}
         if env.mcp:  # only then, likewise: a different server, command or tool list is a different tool set
             config["environment"]["mcp"] = [server.model_dump(mode="json", exclude={"start_timeout_s"})

@@ -25,6 +25,7 @@ CACHE_ENV = "ALIGNFLOW_CACHE"
 LOCK_ENV = "ALIGNFLOW_ARTIFACT_LOCK"  # lease (default) | none: the user vouches for one writer at a time
 LEASE_ENV = "ALIGNFLOW_LOCK_LEASE_S"
 LOCKINGS = ("lease", "none")
+AUTO_ASYNC_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # "false": `async_rollouts: auto` stays off (the test suite pins it)
 # `alignflow reproduce` in another environment: |recorded - now| <= REPRODUCE_TOLERANCE x max(1, |recorded|), 0.05
 # absolute for an accuracy or a small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against
 # AVX-512, the same versions): r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
@@ -93,6 +94,7 @@ class RunOptions:
     cache: str | None = None  # local cache of a URL artifacts root; None: ~/.cache/alignflow of the machine
     artifact_lock: str = "lease"  # lease | none (one writer at a time, vouched for by the user)
     lock_lease_s: float = 120.0  # how long a dead run's stage lock outlives its last heartbeat
+    auto_async: bool = True  # whether `async_rollouts: auto` may turn asynchronous rollouts on
 
     def __post_init__(self):
         if self.artifact_lock not in LOCKINGS:
@@ -143,6 +145,7 @@ class RunOptions:
                                          else None),
             artifact_lock=env.get(LOCK_ENV, "lease"),
             lock_lease_s=cls.lock_lease_s if lease is None else _seconds(lease),
+            auto_async=env.get(AUTO_ASYNC_ENV, "").lower() not in ("0", "false", "off"),
         )
 
 

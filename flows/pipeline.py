@@ -16,14 +16,13 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 from prefect.utilities.annotations import quote
 
-from alignflow.core.spec.schema import PipelineSpec
 from alignflow.flows.prefect_server import start_temporary_server
 from alignflow.flows.launch import shutdown
 from alignflow.flows.digest import data_version
 from alignflow.flows.launch.execute import STATE_NAMES, StageOutcome, execute_stage
 from alignflow.flows.options import RunOptions
 from alignflow.flows.plan import Session, StagePlan, open_session
-from alignflow.flows.preflight import run_spec
+from alignflow.flows.preflight import CheckedSpec, check_pipeline
 from alignflow.flows.launch.pools import run_on_pool
 from alignflow.flows.store.url import is_url
 from alignflow.flows.report import PipelineReport, StageReport
@@ -38,7 +37,7 @@ def stage_task(name: str, session: Session, upstream: dict[str, PrefectFuture]) 
     if pool is not None and session.store.manifest(name, plan.digest) is None:
         outcome = run_on_pool(pool, session, plan)  # a worker of `pool` runs it (flows/launch/pools.py)
     else:
-        outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins, session.options)
+        outcome = execute_stage(plan, outcomes, session.store, session.tracker, session.plugins, session.launcher)
     if outcome.status in STATE_NAMES:
         return Completed(name=STATE_NAMES[outcome.status], data=outcome)
     return outcome
@@ -87,14 +86,16 @@ def start_tracking(session: Session) -> str:
 
 @flow(name="alignflow-pipeline", flow_run_name="{pipeline}", persist_result=False)
 def pipeline_flow(pipeline: str, overrides: list[str] | None = None, project: str = ".",
-                  artifacts: str | None = None, options: dict | None = None) -> PipelineReport:
+                  artifacts: str | None = None, options: dict | None = None,
+                  checked: CheckedSpec | None = None, guard: shutdown.RunGuard | None = None) -> PipelineReport:
     """Run every stage of a pipeline spec; cached stages are reused, failures stop descendants. `options`:
-    `RunOptions.as_dict()`; None (a deployment's run, a flow of your own) reads them from the environment."""
-    shutdown.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
+    `RunOptions.as_dict()`, else (a deployment's run) from the environment; `checked`, `guard`: else made here."""
+    guard = guard or shutdown.RunGuard()
+    guard.running_flow(str(flow_run.get_id()))  # a SIGTERM sets it Crashed
     run_options = RunOptions.from_env() if options is None else RunOptions.from_dict(options)
     session = open_session(Path(pipeline), list(overrides or []), Path(project).resolve(),
                            artifacts if is_url(artifacts) else Path(artifacts).resolve() if artifacts else None,
-                           run_options)
+                           run_options, checked, guard)
     mlflow_run_id = start_tracking(session)
     futures = submit_stages(session)
     wait(list(futures.values()))
@@ -126,20 +127,16 @@ def register_final_model(session: Session, report: PipelineReport) -> None:
         return
 
 
-def load_pipeline(pipeline: Path, overrides: list[str], project: Path = Path(".")) -> PipelineSpec:
-    """Validate a spec with its overrides, inputs and datasets before anything starts (`preflight`), once a run."""
-    return run_spec(pipeline, overrides, project)[1]
-
-
 def run_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                 artifacts: Path | str | None = None, options: RunOptions | None = None) -> PipelineReport:
-    """Run `pipeline_flow` with `options` (None: `RunOptions.from_env()`) and return its report, also
-    when stages failed."""
-    load_pipeline(pipeline, list(overrides), project)
+                 artifacts: Path | str | None = None, options: RunOptions | None = None,
+                 checked: CheckedSpec | None = None, guard: shutdown.RunGuard | None = None) -> PipelineReport:
+    """Run `pipeline_flow` on the checked spec (None: check it first, before anything starts) with `options`
+    (None: `RunOptions.from_env()`) and return its report, also when stages failed."""
+    checked = checked or check_pipeline(pipeline, list(overrides), project, regenerate=True)
     options = RunOptions.from_env() if options is None else options
     start_temporary_server()  # one at a time per database, before the flow would start one unguarded
     state = pipeline_flow(str(pipeline), list(overrides), str(project),
-                          str(artifacts) if artifacts else None, options.as_dict(), return_state=True)
+                          str(artifacts) if artifacts else None, options.as_dict(), checked, guard, return_state=True)
     result = state.result(raise_on_failure=False)
     if isinstance(result, BaseException):
         raise result

@@ -6,6 +6,7 @@ import time
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -13,21 +14,26 @@ from alignflow.core.fingerprint import library_versions
 from alignflow.core.spec.kinds import RANK_DEPENDENT_KINDS
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.rounds import RoundOf, round_seed
-from alignflow.core.spec.schema import PipelineSpec, StageSpec
+from alignflow.core.spec.schema import PipelineSpec, ResolvedStage, StageSpec, resolved_stages
 from alignflow.flows import digest as dg
 from alignflow.flows.store.artifacts import ArtifactStore
+from alignflow.flows.launch.shutdown import RunGuard
 from alignflow.flows.options import RunOptions
-from alignflow.flows.preflight import run_spec
+from alignflow.flows.preflight import CheckedSpec, check_pipeline
 from alignflow.flows.store.url import open_store
 from alignflow.flows.tracking import Tracker
+
+if TYPE_CHECKING:
+    from alignflow.flows.launch.execute import Launcher
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One stage as it will run: `inputs` maps each input to a path, hub id or upstream stage name."""
+    """One stage as it will run: its blocks resolved (what the digest and the runner read), and its inputs."""
 
     name: str
     spec: StageSpec
+    resolved: ResolvedStage
     digest: str
     inputs: dict[str, Path | str]  # local path, hub id, or (for `upstream`) the upstream stage
     upstream: dict[str, str]  # input name -> upstream stage name
@@ -52,9 +58,11 @@ def runner_version(kind: str) -> dict:
     return {"module": runner.__module__, "source": dg.code_hash(runner.__module__)}
 
 
-def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOptions = RunOptions()) -> dict[str, StagePlan]:
+def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOptions = RunOptions(),
+                  resolved: dict[str, ResolvedStage] | None = None) -> dict[str, StagePlan]:
     """Plans in dependency order; a stage's digest folds in its upstream stages' digests (and, for a
-    rank-dependent kind, the number of ranks `options` gives it)."""
+    rank-dependent kind, the number of ranks `options` gives it); `resolved`: the checked spec's stages (None: here)."""
+    resolved = resolved_stages(spec, plugins) if resolved is None else resolved
     data_version = dg.data_version(project)
     plans: dict[str, StagePlan] = {}
     with closing(dg.project_hash_cache(project)) as cache:
@@ -70,7 +78,7 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOption
                 else:
                     inputs[field] = dg.resolve_input(value, project)
                     input_digests[field] = dg.input_digest(inputs[field], cache)
-            config = dg.stage_config(name, stage, plugins)
+            config = dg.stage_config(stage, resolved[name])
             seed = config["settings"].get("seed")
             seed = spec.seed if seed is None else seed
             if (round_of := spec.round_of(name)) is not None:
@@ -84,8 +92,8 @@ def plan_pipeline(spec: PipelineSpec, project: Path, plugins, options: RunOption
             # (a rank-dependent kind is data-parallel: it runs on all of the run's processes)
             if stage.kind in RANK_DEPENDENT_KINDS and (ranks := options.total_processes) > 1:
                 parts["processes"] = ranks  # absent for one process, so one-process digests stay as they were
-            plans[name] = StagePlan(name, stage, dg.stage_digest(parts), inputs, upstream, input_digests,
-                                    config, versions, data_version, seed, len(plans), round_of)
+            plans[name] = StagePlan(name, stage, resolved[name], dg.stage_digest(parts), inputs, upstream,
+                                    input_digests, config, versions, data_version, seed, len(plans), round_of)
     return plans
 
 
@@ -101,20 +109,21 @@ class Session:
     tracker: Tracker
     plugins: object
     options: RunOptions = field(default_factory=RunOptions)
+    launcher: Launcher | None = None  # how its stages share this process (flows/launch/execute.py)
+    guard: RunGuard = field(default_factory=RunGuard)  # what a stop must stop and close (flows/launch/shutdown.py)
     started: float = field(default_factory=time.perf_counter)
 
 
-def plan_run(pipeline: Path, overrides: list[str], project: Path, options: RunOptions):
-    """(raw spec after overrides, spec, plugins, plans): the spec validated, missing data regenerated."""
-    raw, spec = run_spec(pipeline, overrides, project, take=True)  # checked (and data written) once per run
-    plugins = get_plugins()
-    return raw, spec, plugins, plan_pipeline(spec, project, plugins, options)
-
-
 def open_session(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None,
-                 options: RunOptions = RunOptions()) -> Session:
-    """Load and validate the spec with overrides, regenerate missing data, and plan every stage."""
-    raw, spec, plugins, plans = plan_run(pipeline, overrides, project, options)
+                 options: RunOptions = RunOptions(), checked: CheckedSpec | None = None,
+                 guard: RunGuard | None = None) -> Session:
+    """Plan every stage of the checked spec (None: check the spec with overrides here, regenerating missing data);
+    `guard`: the run's stop state, when a caller holds it (the CLI's signal handlers)."""
+    from alignflow.flows.launch.execute import Launcher  # torch and the runners: once a run starts
+    checked = checked or check_pipeline(pipeline, overrides, project, regenerate=True)
+    plugins = get_plugins()
+    plans = plan_pipeline(checked.spec, project, plugins, options, checked.stages)
     store = open_store(artifacts if artifacts is not None else project / "artifacts", options)  # a folder or a URL
-    return Session(spec, yaml.safe_dump(raw, sort_keys=False), project, plans, store,
-                   Tracker(project, spec.name), plugins, options)
+    guard = guard or RunGuard()
+    return Session(checked.spec, yaml.safe_dump(checked.raw, sort_keys=False), project, plans, store,
+                   Tracker(project, checked.spec.name, guard), plugins, options, Launcher(options), guard)

@@ -11,39 +11,27 @@ and its problems can be shown at once (`early`); the second loads the plugins an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from alignflow.core.task.constitution import constitution_problems
 from alignflow.core.train.datasets import check_row
 from alignflow.core.errors import SpecError
 from alignflow.core.spec.kinds import stage_kind
-from alignflow.core.spec.schema import PipelineSpec, StageSpec, parse_shape, plugin_problems, stages_of
-from alignflow.core.spec.stage import resolve_input
+from alignflow.core.spec.schema import PipelineSpec, parse_shape, read_yaml, resolve_stages, stages_of
+from alignflow.core.spec.stage import ResolvedStage, resolve_input
 from alignflow.flows.overrides import apply_overrides
 
 SHOWN_PER_FILE = 10  # bad lines listed per file; the rest are counted
-# A run's spec, read and checked once (`run_spec`): (file, mtime, size, overrides, project) -> (raw, spec)
-_checked: dict[tuple, tuple[dict, PipelineSpec]] = {}
 
 
-def read_yaml(path: Path):
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such pipeline file") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+@dataclass(frozen=True)
+class CheckedSpec:
+    """A pipeline as `check_pipeline` accepted it, handed to the run so that nothing is read or validated twice."""
 
-
-def dataset_schema(stage: StageSpec, plugins) -> str | None:
-    """The row schema a stage's `dataset` input must hold (its kind's record, core/spec/kinds.py); None: any JSON
-    objects. Some depend on the stage's algorithm (pairs or labelled rows): they need `plugins`."""
-    return stage_kind(stage.kind).dataset_schema(stage, plugins)
+    spec: PipelineSpec
+    raw: dict  # the YAML with the overrides applied: what `reproduce` reruns
+    stages: dict[str, ResolvedStage]  # each stage of `spec.stages` (a loop's every round) resolved
 
 
 def jsonl_problems(path: Path, schema: str | None) -> list[str]:
@@ -118,7 +106,8 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
                 continue
             if field == "dataset" and kind.needs_plugins(stage) and plugins is None:
                 continue
-            schema = dataset_schema(stage, plugins) if field == "dataset" else None
+            # the rows its kind's record names (core/spec/kinds.py; some follow the algorithm); None: any JSON objects
+            schema = kind.dataset_schema(stage, plugins) if field == "dataset" else None
             if (resolved, schema) not in checked:
                 checked.add((resolved, schema))
                 problems += [f"stage {label!r}, inputs.{field}: {p}" for p in jsonl_problems(resolved, schema)]
@@ -126,8 +115,8 @@ def input_problems(spec: PipelineSpec, project: Path, plugins, stages: set[str] 
 
 
 def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Path("."),
-                   plugins=None, regenerate: bool = False, early=None) -> PipelineSpec:
-    """The validated spec, or one SpecError listing every problem found. `regenerate`: write the
+                   plugins=None, regenerate: bool = False, early=None) -> CheckedSpec:
+    """The checked spec, or one SpecError listing every problem found. `regenerate`: write the
     bundled datasets under `data/` first when a stage reads them and they are missing (as a run does);
     without it they are taken as present. `early(problems)`, if given, is called with the problems found
     before any plugin code loads (in about a second); the SpecError then lists only the others."""
@@ -147,52 +136,33 @@ def check_pipeline(pipeline: Path, overrides: list[str] = (), project: Path = Pa
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
-    with_plugins = plugin_problems(spec, source, plugins, skip=misshapen)
-    problems += with_plugins + cost_reward_problems(spec, source, plugins, misshapen | stages_of(with_plugins))
+    resolved, with_plugins = resolve_stages(spec, source, plugins, skip=misshapen)
+    problems += with_plugins + cost_reward_problems(spec, source, resolved, misshapen | stages_of(with_plugins))
     # Rows that follow the stage's algorithm (pairs or labelled rows) or, for episodes, what its rewards read:
     # checked once they are loaded.
     by_algorithm = {name for name, stage in spec.stages.items()
                     if stage_kind(stage.kind).needs_plugins(stage) and spec.label(name) not in misshapen}
     problems += input_problems(spec, project, plugins, by_algorithm, rows_only=True)
     raise_all(pipeline, problems, shown)
-    if regenerate and (key := _run_key(pipeline, overrides, project)) is not None:
-        _checked[key] = (raw, spec)
-    return spec
+    return CheckedSpec(spec, raw, resolved)
 
 
-def _run_key(pipeline: Path, overrides, project: Path) -> tuple | None:
-    try:
-        st = Path(pipeline).stat()
-    except OSError:
-        return None
-    return str(Path(pipeline).resolve()), st.st_mtime_ns, st.st_size, tuple(overrides), str(Path(project).resolve())
-
-
-def run_spec(pipeline: Path, overrides: list[str], project: Path, take: bool = False) -> tuple[dict, PipelineSpec]:
-    """The raw spec (overrides applied) and the checked spec of a run, read and checked once: by the first
-    to ask (the CLI, `run_pipeline`) and handed to the next; the run's flow `take`s it (its session), so the
-    next run checks its inputs anew."""
-    key = _run_key(pipeline, overrides, project)
-    if key not in _checked:
-        check_pipeline(pipeline, overrides, project, regenerate=True)
-    return _checked.pop(key) if take else _checked[key]
-
-
-def cost_reward_problems(spec: PipelineSpec, source: str, plugins, skip: set[str]) -> list[str]:
+def cost_reward_problems(spec: PipelineSpec, source: str, resolved: dict[str, ResolvedStage],
+                         skip: set[str]) -> list[str]:
     """Each stage whose algorithm's `cost_reward` is not one of its rewards, or has a weight other than 0
     (the stage checks it again as it builds); stages in `skip` already have a problem reported."""
     from alignflow.core.rl.algorithm import cost_reward_problem
-    from alignflow.core.spec.stage import build_plugin
 
-    problems = []
-    for name, stage in spec.written().items():
-        if stage.algorithm is None or name in skip or not hasattr(plugins.algorithms.get(stage.algorithm.name),
-                                                                  "cost_reward"):
+    problems, seen = [], set(skip)
+    for name, stage in spec.stages.items():
+        label = spec.label(name)  # a loop's rounds: checked once
+        use = resolved.get(name) if label not in seen else None
+        seen.add(label)
+        if use is None or use.algorithm is None or not hasattr(use.algorithm.obj, "cost_reward"):
             continue
-        algo = build_plugin(plugins.algorithms, stage.algorithm, f"stage {name!r}, algorithm")
-        problem = cost_reward_problem(algo, stage.rewards)
+        problem = cost_reward_problem(use.algorithm.build(), stage.rewards)
         if problem:
-            problems.append(f"{source}: stage {name!r}, {problem}")
+            problems.append(f"{source}: stage {label!r}, {problem}")
     return problems
 
 

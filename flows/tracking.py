@@ -115,9 +115,10 @@ def _serve(jobs: queue.SimpleQueue) -> None:
 class Tracker:
     """The MLflow side of one pipeline run."""
 
-    def __init__(self, project: Path, experiment: str):
+    def __init__(self, project: Path, experiment: str, guard: shutdown.RunGuard | None = None):
         from mlflow.tracking import MlflowClient
 
+        self.guard = shutdown.RunGuard() if guard is None else guard  # the run's: a stop closes what is open
         self.uri = tracking_uri(project)
         self.client = SignalSafeClient(MlflowClient(self.uri))
         found = self.client.get_experiment_by_name(experiment)
@@ -134,7 +135,7 @@ class Tracker:
         shutdown.close_dead_runs(self.client, self.experiment_id)  # runs a killed attempt left RUNNING
         run = self.client.create_run(self.experiment_id, run_name=name, tags={**tags, **shutdown.owner_tags()})
         self.parent_id = run.info.run_id
-        shutdown.opened(self.client, self.parent_id)
+        self.guard.open_runs[self.parent_id] = self.client
         self._log(self.parent_id, params=flatten(params))
         for artifact, text in files.items():
             self.client.log_text(self.parent_id, text, artifact)
@@ -143,13 +144,13 @@ class Tracker:
     def end_pipeline(self, failed: bool, metrics: dict[str, float]) -> None:
         self._log(self.parent_id, metrics=metrics)
         self.client.set_terminated(self.parent_id, "FAILED" if failed else "FINISHED")
-        shutdown.closed(self.parent_id)
+        self.guard.open_runs.pop(self.parent_id, None)
 
     def stage_run(self, stage: str, params: dict, tags: dict[str, str]) -> StageRun:
         """A nested run under the parent for one stage."""
         run = self.client.create_run(self.experiment_id, run_name=stage,
                                      tags={**tags, PARENT_TAG: self.parent_id, **shutdown.owner_tags()})
-        shutdown.opened(self.client, run.info.run_id)
+        self.guard.open_runs[run.info.run_id] = self.client
         self._log(run.info.run_id, params=flatten(params))
         return StageRun(self, run.info.run_id)
 
@@ -206,7 +207,7 @@ class StageRun:
         if curves:
             self._log_plots(curves)
         self.tracker.client.set_terminated(self.run_id, "FAILED" if status == "failed" else "FINISHED")
-        shutdown.closed(self.run_id)
+        self.tracker.guard.open_runs.pop(self.run_id, None)
 
     def _log_plots(self, curves: dict[str, list[tuple[int, float]]]) -> None:
         import matplotlib

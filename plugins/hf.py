@@ -4,7 +4,7 @@ One call decodes every row of a request (up to `max_batch_tokens`), rows that st
 batch (their KV cache rows are dropped), and each step's log-prob of the sampled token is taken as
 it is drawn, so no `B x T x vocab` stack of logits is ever held.
 
-Two forwards run the loop. `packed` (`alignflow.core.decoder`): Llama-family models rebuilt for
+Two forwards run the loop. `packed` (`alignflow.core.train.decoder`): Llama-family models rebuilt for
 decoding (fused projections, a preallocated cache, each prompt prefilled once for its `n` samples),
 in the trainer's compute precision (`dtype`: bf16 where the stage trains under bf16 autocast);
 `transformers`: the model's own forward with a `DynamicCache` (`alignflow.core.forward_decoder`), for every
@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from alignflow.core import PluginConfig, Sampler, hookimpl
-from alignflow.core.decoder import PackedDecoder, unsupported
+from alignflow.core.train.decoder import PackedDecoder, unsupported
 from alignflow.core.episode_cache import EpisodeCaches, Taken
 from alignflow.core.forward_decoder import ForwardDecoder
 from alignflow.core.sampling import Generation, cut_at_stop, left_pad

@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.core.train.precision.AUTO_ENV
 os.environ[AUTO_PRECISION_ENV] = "fp32"
 # and `async_rollouts: auto` stays off (see `auto_overlap_is_off`)
-AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # alignflow.flows.stages.rl.setup.AUTO_OVERLAP_ENV
+AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # alignflow.flows.options.AUTO_ASYNC_ENV
 os.environ[AUTO_OVERLAP_ENV] = "false"
 
 import multiprocessing.process  # noqa: E402

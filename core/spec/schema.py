@@ -12,12 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from alignflow.core.spec import rounds
 from alignflow.core.contracts import StageKind
 from alignflow.core.errors import SpecError
-from alignflow.core.spec.kinds import stage_kind
+from alignflow.core.spec.kinds import settings_model, stage_kind
 from alignflow.core.spec.rounds import LoopSpec, RoundOf
 from alignflow.core.spec.settings import TrainSettings
 # the stage model and its checks live in core/spec/stage.py; these names are imported from here too
-from alignflow.core.spec.stage import (STAGE_REF, PluginRef, RewardRef, StageSpec, build_plugin,  # noqa: F401
-                                  check_pool_name, loc_text, lookup, resolve_input, validate_config, validate_model)
+from alignflow.core.spec.stage import (STAGE_REF, PluginRef, ResolvedStage, RewardRef, StageSpec,  # noqa: F401
+                                       check_pool_name, loc_text, lookup, resolve_input, resolve_plugin,
+                                       validate_config, validate_model)
 
 DEFAULT_SAMPLER = "hf"  # stages that generate use it unless the spec names another
 
@@ -68,24 +69,37 @@ class PipelineSpec(BaseModel):
         return self.stages if self._written is None else self._written
 
 
-def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
-    """Read, validate and check a pipeline YAML; every error names the file, stage and field."""
-    path = Path(path)
+def read_yaml(path: Path):
+    """A pipeline file's YAML; a SpecError names the file, and the line and column of a syntax error."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:
         raise SpecError(f"{path}: no such pipeline file") from None
     except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML: {exc}") from None
-    return parse_spec(raw, str(path), plugins)
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"{where}: not valid YAML: {problem}") from None
+
+
+def load_spec(path: str | Path, plugins=None) -> PipelineSpec:
+    """Read, validate and check a pipeline YAML; every error names the file, stage and field."""
+    return parse_spec(read_yaml(Path(path)), str(path), plugins)
 
 
 def parse_spec(raw: Any, source: str = "<spec>", plugins=None) -> PipelineSpec:
     """The validated spec, or one SpecError listing every stage's problems."""
     spec, problems = parse_shape(raw, source)
-    problems += plugin_problems(spec, source, plugins, skip=stages_of(problems))
+    problems += resolve_stages(spec, source, plugins, skip=stages_of(problems))[1]
     raise_problems(source, problems)
     return spec
+
+
+def resolved_stages(spec: PipelineSpec, plugins, source: str = "<spec>") -> dict[str, ResolvedStage]:
+    """Every stage of a parsed spec resolved (core/spec/stage.py), or one SpecError listing the problems."""
+    stages, problems = resolve_stages(spec, source, plugins)
+    raise_problems(source, problems)
+    return stages
 
 
 def parse_shape(raw: Any, source: str = "<spec>") -> tuple[PipelineSpec, list[str]]:
@@ -123,17 +137,20 @@ def parse_shape(raw: Any, source: str = "<spec>") -> tuple[PipelineSpec, list[st
     return spec, problems
 
 
-def plugin_problems(spec: PipelineSpec, source: str, plugins=None, skip: set[str] = frozenset()) -> list[str]:
-    """Every problem with the stages' plugins: unknown names, misplaced algorithms, bad configs."""
+def resolve_stages(spec: PipelineSpec, source: str, plugins=None,
+                   skip: set[str] = frozenset()) -> tuple[dict[str, ResolvedStage], list[str]]:
+    """({stage: resolved} for each stage without a problem, a loop's rounds sharing their loop stage's, and every
+    problem with the stages' plugins: unknown names, misplaced algorithms, bad configs)."""
     if plugins is None:
         from alignflow.core.plugins import get_plugins
 
         plugins = get_plugins()
-    problems = []
+    written, problems = {}, []
     for name, stage in spec.written().items():
         if name not in skip:  # its shape is wrong already: its plugins are not looked at
-            problems += check_plugins(name, stage, source, plugins)
-    return problems
+            written[name], found = check_plugins(name, stage, source, plugins)
+            problems += found
+    return {name: written[spec.label(name)] for name in spec.stages if written.get(spec.label(name))}, problems
 
 
 def stages_of(problems: list[str]) -> set[str]:
@@ -188,19 +205,21 @@ def check_shape(name: str, stage: StageSpec, source: str) -> None:
     _check_settings(where, stage)
 
 
-def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> list[str]:
-    """Every problem with the stage's plugins (unknown, serving another kind, bad config), each validated once."""
+def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> tuple[ResolvedStage | None, list[str]]:
+    """(the stage resolved, or None; its plugins' problems: unknown, serving another kind, a bad config)."""
     where = f"{source}: stage {name!r}"
     problems = []
 
-    def check(field: str, ref: PluginRef, registry, more=None) -> None:
+    def use(field: str, ref: PluginRef | None, registry, more=None):
         try:
-            ref.validated(registry, f"{where}, {field}")
-            if more is not None:
-                more(registry.get(ref.name))
+            found = resolve_plugin(ref, registry, f"{where}, {field}") if ref is not None else None
+            if more is not None and found is not None:
+                more(found.obj)
+            return found
         except SpecError as exc:
             problems.append(str(exc))
 
+    algorithm = None
     if stage.algorithm is not None:  # the kind first: an rl config in a preference stage is misplaced, not bad
         try:
             algo = lookup(f"{where}, algorithm", stage.algorithm, plugins.algorithms)
@@ -210,16 +229,15 @@ def check_plugins(name: str, stage: StageSpec, source: str, plugins) -> list[str
         except SpecError as exc:
             problems.append(str(exc))
         else:
-            check("algorithm", stage.algorithm, plugins.algorithms, lambda algo: _check_teacher(where, stage, algo))
-    if stage.sampler is not None:
-        check("sampler", stage.sampler, plugins.samplers)
-    for i, ref in enumerate(stage.rewards):
-        check(f"rewards[{i}]", ref, plugins.rewards)
-    for i, ref in enumerate(stage.selectors):
-        check(f"selectors[{i}]", ref, plugins.selectors)
-    if stage.environment is not None:
-        check("environment", stage.environment, plugins.environments, lambda env: _check_mcp(where, stage, env))
-    return problems
+            algorithm = use("algorithm", stage.algorithm, plugins.algorithms, lambda a: _check_teacher(where, stage, a))
+    sampler = use("sampler", stage.sampler, plugins.samplers)
+    rewards = tuple(use(f"rewards[{i}]", ref, plugins.rewards) for i, ref in enumerate(stage.rewards))
+    selectors = tuple(use(f"selectors[{i}]", ref, plugins.selectors) for i, ref in enumerate(stage.selectors))
+    environment = use("environment", stage.environment, plugins.environments, lambda e: _check_mcp(where, stage, e))
+    if problems:
+        return None, problems
+    settings = validate_model(settings_model(stage.kind), stage.settings, f"{where}, settings")  # its shape passed
+    return ResolvedStage(settings, algorithm, sampler, rewards, selectors, environment), []
 
 
 def _check_mcp(where: str, stage: StageSpec, env) -> None:
@@ -246,9 +264,8 @@ def _check_teacher(where: str, stage: StageSpec, algo) -> None:
 
 
 def _check_settings(where: str, stage: StageSpec) -> None:
-    """The kind's settings model (validated once, kept on the stage), then what a pipeline cannot mean: lr 0,
-    batches that do not divide."""
-    s = stage.validated_settings(f"{where}, settings")
+    """The kind's settings model, then what a pipeline cannot mean: lr 0, batches that do not divide."""
+    s = validate_model(settings_model(stage.kind), stage.settings, f"{where}, settings")
     if getattr(s, "lr", None) == 0:
         raise SpecError(f"{where}, settings.lr: 0 would train nothing; expected a learning rate > 0")
     problem = s.batch_problem() if isinstance(s, TrainSettings) else None

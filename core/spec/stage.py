@@ -1,16 +1,18 @@
-"""One stage of a pipeline spec: its pydantic model, and its settings and plugin configs validated once.
+"""One stage of a pipeline spec: its pydantic model, and the stage resolved (settings and plugin configs validated).
 
-A checked spec (core/spec/schema.py) holds each stage's settings model instance and each plugin's validated config;
-the digest, the memory estimate and the runners read those instead of validating the raw blocks again.
+`resolve_stage` is where a stage's blocks are validated into values: the pipeline check resolves every stage once
+and hands the `ResolvedStage`s on; the digest, the memory estimate and the runners read those.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from alignflow.core.contracts import PluginConfig, StageKind, plugin_config_model
 from alignflow.core.environments.mcp import McpServer
@@ -51,26 +53,6 @@ def validate_config(obj: Any, config: dict, where: str):
     return validate_model(plugin_config_model(obj), config, where)
 
 
-class _Checked:
-    """A validated model kept with the model class and a copy of the raw block it came from: a block edited
-    since, or validated by another class, is validated anew. A cache: equal whatever it holds."""
-
-    def __init__(self):
-        self.key: Any = None
-        self.value: Any = None
-
-    def get(self, model: Any, raw: Any, validate) -> Any:
-        if self.key is None or self.key[0] is not model or self.key[1] != raw:
-            value = validate()  # raises on a bad block: nothing is kept
-            self.key, self.value = (model, plain_copy(raw)), value
-        return self.value.model_copy(deep=True) if isinstance(self.value, BaseModel) else self.value
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Checked)
-
-    __hash__ = None
-
-
 def plain_copy(raw: Any) -> Any:
     """A copy of YAML-loaded data (dicts, lists, scalars) that shares no dict or list with `raw` or within itself."""
     if isinstance(raw, dict):
@@ -86,17 +68,10 @@ class PluginRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     config: dict[str, Any] = Field(default_factory=dict)
-    _checked: _Checked = PrivateAttr(default_factory=_Checked)
 
     @classmethod
     def coerce(cls, value: Any) -> Any:
         return {"name": value} if isinstance(value, str) else value
-
-    def validated(self, registry, where: str):
-        """The plugin's `config:` validated by its `Config` model (None when it takes none), validated once."""
-        obj = lookup(where, self, registry)
-        model = plugin_config_model(obj)
-        return self._checked.get(model, self.config, lambda: validate_model(model, self.config, f"{where}.config"))
 
 
 class RewardRef(PluginRef):
@@ -121,9 +96,49 @@ def lookup(where: str, ref: PluginRef, registry):
         raise SpecError(f"{where}.name: {exc}") from None
 
 
-def build_plugin(registry, ref: PluginRef, where: str):
-    """An instance of the plugin class `ref` names, built with its validated config."""
-    return registry.get(ref.name)(ref.validated(registry, where))
+@dataclass(frozen=True)
+class PluginUse:
+    """A plugin a stage uses: the registered object `name` names and its `config:` as its `Config` validated it."""
+
+    name: str
+    obj: Any  # the registered class (or, for a reward, possibly a function)
+    config: Any  # the plugin's `Config` instance; None when it takes none
+
+    def build(self):
+        """The plugin to call: the class built with its config (a function reward is itself)."""
+        return self.obj(self.config) if inspect.isclass(self.obj) else self.obj
+
+
+def resolve_plugin(ref: PluginRef, registry, where: str) -> PluginUse:
+    """`ref` looked up and its `config:` validated; a SpecError at `where.name` or `where.config.FIELD`."""
+    obj = lookup(where, ref, registry)
+    return PluginUse(ref.name, obj, validate_model(plugin_config_model(obj), ref.config, f"{where}.config"))
+
+
+@dataclass(frozen=True)
+class ResolvedStage:
+    """A stage's blocks as values: its kind's settings model instance and each plugin it uses, in spec order."""
+
+    settings: Any  # the kind's settings model, defaults filled
+    algorithm: PluginUse | None = None
+    sampler: PluginUse | None = None
+    rewards: tuple[PluginUse, ...] = ()
+    selectors: tuple[PluginUse, ...] = ()
+    environment: PluginUse | None = None
+
+
+def resolve_stage(stage: "StageSpec", plugins, where: str = "stage", settings: Any = None) -> ResolvedStage:
+    """Every block of `stage` validated (`settings`: already validated); the first problem raises a SpecError."""
+    def one(ref, registry, field):
+        return resolve_plugin(ref, registry, f"{where}, {field}") if ref is not None else None
+
+    return ResolvedStage(
+        settings if settings is not None else validate_model(settings_model(stage.kind), stage.settings,
+                                                             f"{where}, settings"),
+        one(stage.algorithm, plugins.algorithms, "algorithm"), one(stage.sampler, plugins.samplers, "sampler"),
+        tuple(one(r, plugins.rewards, f"rewards[{i}]") for i, r in enumerate(stage.rewards)),
+        tuple(one(r, plugins.selectors, f"selectors[{i}]") for i, r in enumerate(stage.selectors)),
+        one(stage.environment, plugins.environments, "environment"))
 
 
 class StageSpec(BaseModel):
@@ -141,7 +156,6 @@ class StageSpec(BaseModel):
     # The Prefect work pool whose worker runs this stage (flows/launch/pools.py); None: the pipeline's own
     # process. Where a stage runs is not part of its digest: moving it between pools reuses its artifact.
     pool: str | None = None
-    _checked: _Checked = PrivateAttr(default_factory=_Checked)
 
     @field_validator("pool")
     @classmethod
@@ -161,11 +175,6 @@ class StageSpec(BaseModel):
     def references(self) -> dict[str, str]:
         """input name -> upstream stage name, for inputs given as `stage:NAME`."""
         return {k: v[len(STAGE_REF):] for k, v in self.inputs.items() if v.startswith(STAGE_REF)}
-
-    def validated_settings(self, where: str = "settings"):
-        """The kind's settings model instance, defaults filled (validated once; each call gets its own copy)."""
-        model = settings_model(self.kind)
-        return self._checked.get(model, self.settings, lambda: validate_model(model, self.settings, where))
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")

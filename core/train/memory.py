@@ -209,14 +209,13 @@ def model_input(spec, name: str, key: str) -> str:
     return value
 
 
-def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_node: int = 1,
+def stage_memory(spec, name: str, resolved, project: Path = Path("."), gpus_per_node: int = 1,
                  nodes: int = 1) -> StageMemory:
-    """The estimate for training stage `name` of a validated spec, on `gpus_per_node` x `nodes` ranks."""
-    stage = spec.stages[name]
-    s = stage.validated_settings()
+    """The estimate for training stage `name` (`resolved`: its blocks) on `gpus_per_node` x `nodes` ranks."""
+    stage, s = spec.stages[name], resolved.settings
     memory = StageMemory(spec.label(name), stage.kind, s.zero_stage, s.offload_optimizer, s.offload_params,
                          gpus_per_node, nodes, s.precision)
-    algo = plugins.algorithms.get(stage.algorithm.name) if stage.algorithm is not None else None
+    algo = resolved.algorithm.obj if resolved.algorithm is not None else None
     lora = getattr(s, "lora", None)
     lora = lora if lora is not None and lora.r > 0 else None
     head = stage.kind in VALUE_HEAD_KINDS
@@ -251,23 +250,24 @@ def stage_memory(spec, name: str, plugins, project: Path = Path("."), gpus_per_n
     split = gpus_per_node * nodes if s.zero_stage == 3 else 1  # ZeRO-3 partitions frozen weights too
     if not (s.zero_stage == 3 and offload_params):
         memory.frozen_gpu = sum(width * c.total // split for c in memory.frozen.values())
-    if stage_kind(stage.kind).online_sampler and stage.sampler is not None:  # it lives beside the trainer
-        c = stage.sampler.validated(plugins.samplers, "sampler")
+    if stage_kind(stage.kind).online_sampler and resolved.sampler is not None:  # it lives beside the trainer
+        c = resolved.sampler.config
         if getattr(c, "gpu_memory_utilization", None) and not getattr(c, "sleep", False):
             memory.sampler_share = c.gpu_memory_utilization  # vLLM's share of the device
     return memory
 
 
-def pipeline_memory(spec, plugins, project: Path = Path("."), gpus_per_node: int = 1,
+def pipeline_memory(spec, resolved: dict, project: Path = Path("."), gpus_per_node: int = 1,
                     nodes: int = 1) -> list[StageMemory]:
-    """`stage_memory` of every training stage, in run order; a loop's rounds once (they share settings)."""
+    """`stage_memory` of every training stage (`resolved`: {stage: resolved}), in run order; a loop's rounds once
+    (they share settings)."""
     seen, out = set(), []
     for name in spec.order():
         label = spec.label(name)
         if spec.stages[name].kind not in TRAINING_KINDS or label in seen:
             continue
         seen.add(label)
-        out.append(stage_memory(spec, name, plugins, project, gpus_per_node, nodes))
+        out.append(stage_memory(spec, name, resolved[name], project, gpus_per_node, nodes))
     return out
 
 

@@ -13,7 +13,7 @@ arithmetic is transformers' (the same weights, norms, rotary tables and attentio
 matmul), so the log-probs equal its forward of the packed rows up to float rounding (tested), and so do the
 gradients. In the `rl` stage on one core the tiny model's update took 7.5% less time, the 8M model's 4-8% less.
 
-Llama-family decoders only (Llama, Mistral, Qwen2, Qwen3), as core/decoder.py rebuilds; `unsupported` says
+Llama-family decoders only (Llama, Mistral, Qwen2, Qwen3), as core/train/decoder.py rebuilds; `unsupported` says
 why anything else (or a model in gradient checkpointing, with attention dropout, adapters or partitioned
 ZeRO-3 weights) keeps transformers' forward.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from alignflow.core.decoder import unsupported as decoder_unsupported
+from alignflow.core.train.decoder import unsupported as decoder_unsupported
 
 ATTENTION = ("sdpa", "eager")
 TOKEN_MULTIPLE = 256  # token counts are padded to a multiple of this: oneDNN builds kernels per matrix shape

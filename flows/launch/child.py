@@ -35,6 +35,7 @@ from alignflow.core.plugins import entry_point_names, get_plugins
 from alignflow.core.spec.kinds import settings_model
 from alignflow.core.spec.schema import StageSpec
 from alignflow.core.train import own_group
+from alignflow.flows.options import RunOptions
 from alignflow.flows.stages import StageContext, StageResult
 
 # Variables `core.engine.init_distributed` sets for torch when it forms a one-process group itself.
@@ -120,6 +121,7 @@ def stage_payload(kind: str, ctx: StageContext, threads: int, world: int = 1) ->
         "inputs": {k: (isinstance(v, Path), str(v)) for k, v in ctx.inputs.items()},
         "work_dir": str(ctx.work_dir), "checkpoint_dir": str(ctx.checkpoint_dir), "seed": ctx.seed,
         "plugins": plugin_recipe(ctx.plugins), "threads": threads, "parent": os.getpid(), "world": world,
+        "options": ctx.options.as_dict(),
     }
 
 
@@ -151,7 +153,8 @@ def _run_stage(payload: dict, out, rank: int) -> tuple:
         settings=settings_model(payload["kind"]).model_validate(payload["settings"]),
         inputs={k: Path(v) if is_path else v for k, (is_path, v) in payload["inputs"].items()},
         work_dir=Path(payload["work_dir"]), checkpoint_dir=Path(payload["checkpoint_dir"]),
-        seed=payload["seed"], plugins=plugins,
+        seed=payload["seed"], plugins=plugins, world=payload["world"],
+        options=RunOptions.from_dict(payload["options"]),
         log_metrics=(lambda metrics, step: out.put(("metrics", metrics, step))) if rank == 0 else _ignore,
     )
     result = RUNNERS[payload["kind"]](ctx)

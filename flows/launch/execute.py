@@ -11,6 +11,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +21,13 @@ from alignflow.core.spec.kinds import DATA_PARALLEL_KINDS, THREAD_SAFE_KINDS
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.launch.child import can_run_in_child, run_in_child
 from alignflow.flows.options import NPROC_ENV, RunOptions
-from alignflow.flows.plan import StagePlan
 from alignflow.flows.launch.ranks import run_ranks
 from alignflow.flows.stages import OUTPUT_OF_INPUT, StageContext, StageResult
 from alignflow.flows.stages.runners import RUNNERS
 from alignflow.flows.tracking import StageRun, Tracker, fingerprint_tags
+
+if TYPE_CHECKING:
+    from alignflow.flows.plan import StagePlan  # the plan creates a run's Launcher: no import back at run time
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +50,6 @@ class StageOutcome:
 
 # What the Prefect UI shows for a stage that did not run its runner from the start.
 STATE_NAMES = {"cached": "Cached", "resumed": "Resumed"}
-
-_exclusive = threading.Lock()
-_slots: dict[int, "OrderedSlots"] = {}
-_slots_lock = threading.Lock()
-_user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
 
 def data_parallel_ranks(kind: str, options: RunOptions) -> int:
@@ -94,75 +92,65 @@ class OrderedSlots:
                 self.cond.notify_all()
 
 
-def _slot(n: int) -> OrderedSlots:
-    with _slots_lock:
-        return _slots.setdefault(n, OrderedSlots(n))
+class Launcher:
+    """How one run starts its stages here (its session owns one): `options.parallel_stages` ordered slots, and this
+    process, where one stage at a time runs on its share of the threads (else a child on the same share)."""
 
+    def __init__(self, options: RunOptions = RunOptions()):
+        self.options, self.slots, self.here = options, OrderedSlots(options.parallel_stages), threading.Lock()
+        self.user_threads: int | None = None  # this process's torch threads while a stage here runs on its share
 
-def call_runner(kind: str, ctx: StageContext, started: list[float], options: RunOptions,
-                order: int = 0) -> StageResult:
-    """`RUNNERS[kind](ctx)` once one of `options.parallel_stages` slots is free: here when this process is
-    free for it, else in a child process. Either way the stage gets the same share of this process's
-    torch threads, so where it ran never changes its numbers. Appends the time the runner started
-    (after any wait) to `started`."""
-    if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
-        started.append(time.time())
-        return RUNNERS[kind](ctx)
-    n = options.parallel_stages
-    ranks = data_parallel_ranks(kind, options)
-    if n > 1 and getattr(ctx.settings, "async_rollouts", None) == "auto":  # the cores are the other stages'
-        ctx = replace(ctx, settings=ctx.settings.model_copy(update={"async_rollouts": False}))
-    with _slot(n).held((order, ctx.name)):
-        if ranks > 1:
-            if not can_run_in_child(ctx.plugins):
-                raise SpecError(f"stage {ctx.name!r}: {NPROC_ENV}={ranks} starts one process per rank, which "
-                                "cannot rebuild plugins defined in __main__ or inside a function, nor run "
-                                "under another launcher's process group")
+    def call_runner(self, kind: str, ctx: StageContext, started: list[float], order: int = 0) -> StageResult:
+        """`RUNNERS[kind](ctx)` once a slot is free: here when this process is free for it, else in a child
+        process (`ctx.world` ranks: as many processes). Appends the time the runner started (after any wait)
+        to `started`."""
+        if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
             started.append(time.time())
-            local = options.nproc  # this node's share of the `ranks`
-            threads = thread_share(thread_share(_user_threads or torch.get_num_threads(), n), local)
-            return run_ranks(kind, ctx, threads, local, options.nodes)
-        if _exclusive.acquire(blocking=False):
-            return _run_here(kind, ctx, n, started)
-        if can_run_in_child(ctx.plugins):
+            return RUNNERS[kind](ctx)
+        n = self.options.parallel_stages
+        if n > 1 and getattr(ctx.settings, "async_rollouts", None) == "auto":  # the cores are the other stages'
+            ctx = replace(ctx, settings=ctx.settings.model_copy(update={"async_rollouts": False}))
+        with self.slots.held((order, ctx.name)):
+            if ctx.world > 1:
+                if not can_run_in_child(ctx.plugins):
+                    raise SpecError(f"stage {ctx.name!r}: {NPROC_ENV}={ctx.world} starts one process per rank, "
+                                    "which cannot rebuild plugins defined in __main__ or inside a function, nor "
+                                    "run under another launcher's process group")
+                started.append(time.time())
+                local = self.options.nproc  # this node's share of the ranks
+                threads = thread_share(thread_share(self.user_threads or torch.get_num_threads(), n), local)
+                return run_ranks(kind, ctx, threads, local, self.options.nodes)
+            if self.here.acquire(blocking=False):
+                return self._run_here(kind, ctx, started)
+            if can_run_in_child(ctx.plugins):
+                started.append(time.time())
+                return run_in_child(kind, ctx, threads=thread_share(self.user_threads or torch.get_num_threads(), n))
+            self.here.acquire()
+            return self._run_here(kind, ctx, started)
+
+    def _run_here(self, kind: str, ctx: StageContext, started: list[float]) -> StageResult:
+        """Run in this process on its share of the threads; `here` is held and released here."""
+        user = self.user_threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(thread_share(user, self.options.parallel_stages))
             started.append(time.time())
-            return run_in_child(kind, ctx, threads=thread_share(_user_threads or torch.get_num_threads(), n))
-        _exclusive.acquire()
-        return _run_here(kind, ctx, n, started)
+            return RUNNERS[kind](ctx)
+        finally:
+            torch.set_num_threads(user)
+            self.user_threads = None
+            self.here.release()
+
+    def stage_threads(self, kind: str, ctx: StageContext) -> int:
+        """The torch threads `call_runner` gives a stage (each rank's, for a data-parallel one)."""
+        if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
+            return torch.get_num_threads()
+        threads = thread_share(self.user_threads or torch.get_num_threads(), self.options.parallel_stages)
+        return thread_share(threads, self.options.nproc) if ctx.world > 1 else threads
 
 
 def thread_share(threads: int, n: int) -> int:
     """Each of `n` sharers' part of `threads` torch threads, at least 1."""
     return max(1, threads // n)
-
-
-def _run_here(kind: str, ctx: StageContext, n: int, started: list[float]) -> StageResult:
-    """Run in this process on its share of the threads; `_exclusive` is held and released here."""
-    global _user_threads
-    user = _user_threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(thread_share(user, n))
-        started.append(time.time())
-        return RUNNERS[kind](ctx)
-    finally:
-        torch.set_num_threads(user)
-        _user_threads = None
-        _exclusive.release()
-
-
-def stage_threads(kind: str, ctx: StageContext, options: RunOptions) -> int:
-    """The torch threads `call_runner` gives a stage (each rank's, for a data-parallel one)."""
-    if kind in THREAD_SAFE_KINDS and not ctx.spec.rewards:
-        return torch.get_num_threads()
-    threads = thread_share(_user_threads or torch.get_num_threads(), options.parallel_stages)
-    ranks = options.total_processes if kind in DATA_PARALLEL_KINDS else 1
-    return thread_share(threads, options.nproc) if ranks > 1 else threads
-
-
-def stage_fingerprint(plan: StagePlan, ctx: StageContext, options: RunOptions) -> dict:
-    """The environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses."""
-    plugins = {v["distribution"]: v["version"] for v in plan.versions["plugins"].values()}
-    return fingerprint(ctx.settings, plugins, stage_threads(plan.kind, ctx, options))
 
 
 class StageFailed(AlignflowError):
@@ -194,7 +182,7 @@ def stage_tags(plan: StagePlan) -> dict[str, str]:
 
 
 def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: ArtifactStore,
-                  tracker: Tracker, plugins, options: RunOptions) -> StageOutcome:
+                  tracker: Tracker, plugins, launcher: Launcher) -> StageOutcome:
     """Cached when the manifest exists; otherwise run under the artifact lock."""
     start = time.perf_counter()
     inputs = resolve_inputs(plan, upstream)
@@ -205,7 +193,7 @@ def execute_stage(plan: StagePlan, upstream: dict[str, StageOutcome], store: Art
         if manifest is None or not reusable(store, plan.name, plan.digest, manifest):
             for stage in sorted(set(plan.upstream.values())):  # a shared store's inputs: downloaded once
                 store.fetch(stage, upstream[stage].digest)
-            manifest = _run(plan, inputs, store, run, plugins, options)
+            manifest = _run(plan, inputs, store, run, plugins, launcher)
             # the runner's own time, not a wait for this process while a sibling stage held it
             status, seconds = manifest["status"], manifest["timings"]["seconds"]
         else:
@@ -277,20 +265,23 @@ def refuse_empty(ctx: StageContext, result: StageResult) -> None:
                       "settings where an empty output is expected")
 
 
-def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins, options: RunOptions) -> dict:
+def _run(plan: StagePlan, inputs: dict, store: ArtifactStore, run: StageRun, plugins, launcher: Launcher) -> dict:
     """Call the runner in a fresh work dir and finalise its artifact; returns the manifest."""
     ctx = StageContext(
         name=plan.name, spec=plan.spec,
-        settings=plan.spec.validated_settings(),
+        settings=plan.resolved.settings, resolved=plan.resolved,
         inputs=inputs, work_dir=store.fresh_work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest),
         seed=plan.seed, log_metrics=run.log_metrics, plugins=plugins,
+        world=data_parallel_ranks(plan.kind, launcher.options), options=launcher.options,
     )
     resumed = ctx.resuming()
-    env = stage_fingerprint(plan, ctx, options)
+    # the environment the stage computes in (core/fingerprint.py), with the plugin distributions it uses
+    env = fingerprint(ctx.settings, {v["distribution"]: v["version"] for v in plan.versions["plugins"].values()},
+                      launcher.stage_threads(plan.kind, ctx))
     clock = []
     try:
-        result = call_runner(plan.kind, ctx, clock, options, plan.order)
+        result = launcher.call_runner(plan.kind, ctx, clock, plan.order)
         started = clock[0]
         refuse_empty(ctx, result)
     except Exception as exc:

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 from alignflow.core.errors import AlignflowError
+from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.kinds import DATA_PARALLEL_KINDS
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.launch.execute import StageOutcome, resolve_inputs, thread_share
 from alignflow.flows.launch.nodes import connect, run_ended
 from alignflow.flows.options import RunOptions
-from alignflow.flows.plan import StagePlan, plan_run
+from alignflow.flows.plan import StagePlan, plan_pipeline
+from alignflow.flows.preflight import CheckedSpec
 from alignflow.flows.launch.ranks import run_ranks
 from alignflow.flows.stages import StageContext
 
@@ -39,12 +41,12 @@ class NodeStopped(AlignflowError):
     """Node 0's run ended without finishing a stage this node waits for, or a stage failed here."""
 
 
-def follow_pipeline(pipeline: Path, overrides: list[str], project: Path, artifacts: Path | str | None,
+def follow_pipeline(checked: CheckedSpec, project: Path, artifacts: Path | str | None,
                     options: RunOptions) -> dict[str, str]:
-    """Follow node 0's run of `pipeline` to its end, on the node `options.nodes` names; {stage: how it
+    """Follow node 0's run of the checked pipeline to its end, on the node `options.nodes` names; {stage: how it
     went here}. Raises NodeStopped naming the first stage that failed (here or on node 0)."""
-    nodes = options.nodes
-    _, spec, plugins, plans = plan_run(pipeline, overrides, project, options)
+    nodes, spec, plugins = options.nodes, checked.spec, get_plugins()
+    plans = plan_pipeline(spec, project, plugins, options, checked.stages)
     store = ArtifactStore(Path(artifacts).resolve() if artifacts is not None else project / "artifacts")
     log.info("node %d of %d: waiting for node 0 at %s", nodes.rank, nodes.count, nodes.endpoint)
     board = connect(nodes)  # waits for node 0's store
@@ -98,9 +100,10 @@ def _follow_stage(plan: StagePlan, done: dict, store: ArtifactStore, board, opti
 def _lend_ranks(plan: StagePlan, done: dict, store: ArtifactStore, options: RunOptions, plugins) -> None:
     """Run this node's ranks of the stage, in node 0's work and checkpoint folders (shared)."""
     ctx = StageContext(
-        name=plan.name, spec=plan.spec, settings=plan.spec.validated_settings(),
+        name=plan.name, spec=plan.spec, settings=plan.resolved.settings, resolved=plan.resolved,
         inputs=resolve_inputs(plan, done), work_dir=store.work_dir(plan.name, plan.digest),
         checkpoint_dir=store.checkpoint_dir(plan.name, plan.digest), seed=plan.seed, plugins=plugins,
+        world=options.total_processes, options=options,
         log_metrics=lambda metrics, step: None,  # rank 0, on node 0, reports the stage
     )
     local = options.nproc

@@ -66,9 +66,9 @@ def stage_flow(spec: str, source: str, stage: str, digest: str, project: str, ar
     upstream = {name: finished(session, name, stage) for name in sorted(set(plan.upstream.values()))}
     session.tracker.parent_id = mlflow_parent  # the stage's MLflow run nests under the pipeline's
     try:
-        outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins, run_options)
+        outcome = execute_stage(plan, upstream, session.store, session.tracker, session.plugins, session.launcher)
     except TerminationSignal:  # cancelled: the worker's SIGTERM, raised here by Prefect; the lock is free
-        shutdown.close_open_runs()  # the stage's MLflow run, KILLED rather than left RUNNING
+        session.guard.close_open_runs()  # the stage's MLflow run, KILLED rather than left RUNNING
         raise
     return Completed(name=STATE_NAMES.get(outcome.status, "Completed"),
                      message=f"stage {stage!r} {outcome.status} in {outcome.seconds:.1f} s")
@@ -124,7 +124,7 @@ def run_on_pool(pool: str, session: Session, plan: StagePlan) -> StageOutcome:
     from alignflow.flows.launch.execute import STATE_NAMES, StageFailed  # torch: see above
 
     deployment = deploy_stage_flow(pool)
-    shutdown.sending_to_pool()  # a stop from here on finds the flow run by its tag and cancels it
+    session.guard.sending_to_pool()  # a stop from here on finds the flow run by its tag and cancels it
     # What the worker needs to plan the same digest and log where the pipeline logs: the run's options
     # (--nproc and the like), the plugins it loads and the MLflow store. Not where this run's nodes meet:
     # a stage on a pool runs its ranks on the worker's machine.

@@ -1,6 +1,6 @@
 """How a run ends when it is stopped: nothing left running, nothing left RUNNING.
 
-- SIGINT / SIGTERM (`install_handlers`): the run's child processes (ranks, stage children, engines)
+- SIGINT / SIGTERM (`RunGuard.install_handlers`): the run's child processes (ranks, stage children, engines)
   get SIGTERM, then SIGKILL after a grace period; the unfinished flow runs of its stages on work pools
   (found by their `pipeline_run_tag`) are set Cancelling, so their workers stop them (Prefect's own
   cancellation: the worker SIGTERMs the flow run's process group, then SIGKILLs it after 30 s, and sets
@@ -36,12 +36,6 @@ GRACE_S = 5.0
 # flow's cancellation hooks in a fresh process, then sets Cancelled: seconds for a stage that stops on
 # SIGTERM, over 30 s for one that does not. A second Ctrl-C ends the wait at once.
 CANCEL_WAIT_S = 60.0
-_open_runs: dict[str, object] = {}  # MLflow run id -> the client that opened it
-_pools: list[bool] = []  # set before this run first sends a stage to a work pool
-_stopping: list[bool] = []  # set as a stop begins: no stage is sent after it
-_flow_run_id: list[str] = []
-_installed: list[bool] = []
-_watchdog: list[int] = []  # set by the CLI; a library caller keeps its own signal handling
 
 
 def process_start(pid: int) -> str | None:
@@ -60,20 +54,81 @@ def owner_tags() -> dict[str, str]:
             "alignflow.pid_start": str(process_start(os.getpid()))}
 
 
-def opened(client, run_id: str) -> None:
-    _open_runs[run_id] = client
+class RunGuard:
+    """One pipeline run's stop state, owned by its session: what a SIGINT or SIGTERM stops, cancels and closes."""
 
+    def __init__(self):
+        self.open_runs: dict[str, object] = {}  # MLflow run id -> the client that opened it
+        self.flow_run_id: str | None = None  # the run's Prefect flow run, set Crashed by a stop
+        self.sent_to_pools = False  # set before this run first sends a stage to a work pool
+        self.stopping = False  # set as a stop begins: no stage is sent after it
+        self.handling = False  # its handlers are installed (by the CLI; a library caller keeps its own)
+        self.watchdog: int | None = None  # the watchdog's pid, which a stop spares
 
-def closed(run_id: str) -> None:
-    _open_runs.pop(run_id, None)
+    def running_flow(self, flow_run_id: str) -> None:
+        """Remember the flow run to set Crashed; take SIGTERM back from Prefect's engine, whose handler
+        crashes the flow but then waits for the running stage threads to finish."""
+        self.flow_run_id = flow_run_id
+        if self.handling:
+            self.install_handlers()
 
+    def sending_to_pool(self) -> None:
+        """Called before a stage's flow run is created on a work pool (flows/launch/pools.py): a stop then looks
+        for this run's flow runs; refused once a stop has begun, so none is created after it looked."""
+        if self.stopping:
+            raise RuntimeError("the pipeline is stopping: no more stages are sent to work pools")
+        self.sent_to_pools = True
 
-def running_flow(flow_run_id: str) -> None:
-    """Remember the flow run to set Crashed; take SIGTERM back from Prefect's engine, whose handler
-    crashes the flow but then waits for the running stage threads to finish."""
-    _flow_run_id[:] = [flow_run_id]
-    if _installed:
-        install_handlers()
+    def close_open_runs(self) -> None:
+        """Close the MLflow runs this run opened and has not closed: KILLED, tagged killed."""
+        for run_id, client in list(self.open_runs.items()):
+            try:
+                client.set_tag(run_id, "alignflow.status", "killed")
+                client.set_terminated(run_id, "KILLED")
+                self.open_runs.pop(run_id, None)
+            except Exception as exc:  # the store may be locked by a thread that was mid-write
+                log.warning("could not close MLflow run %s: %s", run_id, exc)
+
+    def install_handlers(self) -> dict | None:
+        """SIGINT and SIGTERM stop the run (main thread only): the handlers they replaced; None off the main thread."""
+        try:
+            previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        except ValueError:
+            return None
+        self.handling = True
+        return previous
+
+    def stop(self, signum: int, frame) -> None:
+        """The handler: stop, cancel and close everything of the run, then exit 128 + the signal."""
+        name = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
+        sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
+        self.stopping = True
+        message = f"the pipeline was stopped by {name}"
+        cancelling = self._cancel(message)  # first, so the workers stop their stages while this process stops its own
+        spared = {s.server_process.pid for s in _prefect_servers()} | {self.watchdog}  # the server: for the states
+        stop_processes([p for p in descendants(os.getpid()) if p not in spared])
+        release_held()  # its stages' locks on a URL store, once their processes are gone: free now, not in a lease
+        self.close_open_runs()
+        _await(cancelling)
+        _await(self._cancel(message, skip=frozenset(cancelling)))  # one whose creation was under way as the stop began
+        if self.flow_run_id is not None:
+            try:
+                mark_crashed(self.flow_run_id, f"stopped by {name}")
+            except Exception as exc:
+                log.warning("could not mark flow run %s crashed: %s", self.flow_run_id, exc)
+        for server in _prefect_servers():
+            server.stop()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+
+    def _cancel(self, message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+        """`cancel_pool_runs` where this run sent stages to work pools; a failure is logged, not raised."""
+        try:
+            return cancel_pool_runs(self.flow_run_id, message, skip) if self.sent_to_pools else {}
+        except Exception as exc:
+            log.warning("could not cancel the stages on work pools: %s", exc)
+            return {}
 
 
 def pipeline_run_tag(flow_run_id) -> str:
@@ -85,17 +140,9 @@ def pool_label(stage: str, pool: str | None, name: str, flow_run_id) -> str:
     return f"stage {stage!r} on work pool {pool!r}: flow run {name} ({flow_run_id})"
 
 
-def sending_to_pool() -> None:
-    """Called before a stage's flow run is created on a work pool (flows/launch/pools.py): a stop then looks
-    for this run's flow runs; refused once a stop has begun, so none is created after it looked."""
-    if _stopping:
-        raise RuntimeError("the pipeline is stopping: no more stages are sent to work pools")
-    _pools[:] = [True]
-
-
-def cancel_pool_runs(message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Set this run's unfinished flow runs on work pools Cancelling (as `prefect flow-run cancel` does):
-    the worker running one kills its process; one no worker took yet the server sets Cancelled at once.
+def cancel_pool_runs(flow_run_id: str | None, message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
+    """Set the unfinished flow runs on work pools of pipeline run `flow_run_id` Cancelling (as `prefect flow-run
+    cancel` does): the worker running one kills its process; one no worker took yet the server sets Cancelled at once.
     They are found by their tag, so a flow run whose creation was under way as the stop began is found
     too (by a second call, after the first ones are waited for). Returns {id: label} of the runs asked."""
     from prefect import get_client
@@ -104,13 +151,13 @@ def cancel_pool_runs(message: str, skip: frozenset[str] = frozenset()) -> dict[s
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
 
-    if not _flow_run_id:
+    if flow_run_id is None:
         return {}
     final = [StateType.COMPLETED, StateType.FAILED, StateType.CANCELLED, StateType.CRASHED]
     asked = {}
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[pipeline_run_tag(_flow_run_id[0])]),
+            tags=FlowRunFilterTags(all_=[pipeline_run_tag(flow_run_id)]),
             state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=final))))
         for run in runs:
             if str(run.id) in skip:
@@ -208,50 +255,6 @@ def mark_crashed(flow_run_id: str, message: str) -> None:
         client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
 
 
-def close_open_runs() -> None:
-    """Close the MLflow runs this process opened and has not closed: KILLED, tagged killed."""
-    for run_id, client in list(_open_runs.items()):
-        try:
-            client.set_tag(run_id, "alignflow.status", "killed")
-            client.set_terminated(run_id, "KILLED")
-            closed(run_id)
-        except Exception as exc:  # the store may be locked by a thread that was mid-write
-            log.warning("could not close MLflow run %s: %s", run_id, exc)
-
-
-def _stop(signum: int, frame) -> None:
-    name = signal.Signals(signum).name
-    signal.signal(signum, signal.SIG_DFL)  # a second signal ends it at once
-    sys.stderr.write(f"\n{name}: stopping the run's processes, closing its runs\n")
-    _stopping[:] = [True]
-    message = f"the pipeline was stopped by {name}"
-    cancelling = _cancel(message)  # first, so the workers stop their stages while this process stops its own
-    spared = {s.server_process.pid for s in _prefect_servers()} | set(_watchdog)  # the server: for the states
-    stop_processes([p for p in descendants(os.getpid()) if p not in spared])
-    release_held()  # its stages' locks on a URL store, once their processes are gone: free now, not in a lease
-    close_open_runs()
-    _await(cancelling)
-    _await(_cancel(message, skip=frozenset(cancelling)))  # one whose creation was under way as the stop began
-    for flow_run_id in _flow_run_id:
-        try:
-            mark_crashed(flow_run_id, f"stopped by {name}")
-        except Exception as exc:
-            log.warning("could not mark flow run %s crashed: %s", flow_run_id, exc)
-    for server in _prefect_servers():
-        server.stop()
-    sys.stderr.flush()
-    os._exit(128 + signum)
-
-
-def _cancel(message: str, skip: frozenset[str] = frozenset()) -> dict[str, str]:
-    """`cancel_pool_runs` where this run sent stages to work pools; a failure is logged, not raised."""
-    try:
-        return cancel_pool_runs(message, skip) if _pools else {}
-    except Exception as exc:
-        log.warning("could not cancel the stages on work pools: %s", exc)
-        return {}
-
-
 def _await(asked: dict[str, str]) -> None:
     try:
         if asked:
@@ -260,30 +263,20 @@ def _await(asked: dict[str, str]) -> None:
         log.warning("could not follow the cancelled stages: %s", exc)
 
 
-def install_handlers() -> dict | None:
-    """SIGINT and SIGTERM stop the run as the module docstring says (main thread only); returns the
-    handlers they replaced, None off the main thread (the process's owner handles signals there)."""
-    try:
-        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:
-        return None
-    _installed[:] = [True]
-    return previous
-
-
 @contextlib.contextmanager
 def guarded():
-    """The handlers and the watchdog for the length of one run; both gone after it (a run called from
-    Python, as the tests do, leaves the process's own signal handling as it was)."""
-    previous = install_handlers()
+    """A `RunGuard` with its handlers and the watchdog for the length of one run; both gone after it (a run
+    called from Python, as the tests do, leaves the process's own signal handling as it was)."""
+    guard = RunGuard()
+    previous = guard.install_handlers()
     watchdog = start_watchdog()
+    guard.watchdog = watchdog.pid
     try:
-        yield
+        yield guard
     finally:
         watchdog.terminate()
         watchdog.wait()
-        _watchdog.clear()
-        _installed.clear()
+        guard.handling = False
         for sig, handler in (previous or {}).items():
             signal.signal(sig, handler)
 
@@ -334,7 +327,6 @@ def start_watchdog() -> subprocess.Popen:
                              str(process_start(os.getpid()))],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    _watchdog.append(proc.pid)
     return proc
 
 

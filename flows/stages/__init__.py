@@ -15,6 +15,8 @@ from alignflow.core.contracts import PluginConfig
 from alignflow.core.errors import SpecError
 from alignflow.core.spec.kinds import OUTPUT_OF_INPUT, OUTPUTS  # noqa: F401  OUTPUT_OF_INPUT: read by flows/launch/execute.py
 from alignflow.core.spec.schema import StageSpec
+from alignflow.core.spec.stage import ResolvedStage, resolve_stage
+from alignflow.flows.options import RunOptions
 
 MetricsLogger = Callable[[dict[str, float], int], None]
 
@@ -32,6 +34,13 @@ class StageContext:
     seed: int  # settings.seed when given, else the pipeline's seed
     log_metrics: MetricsLogger  # (metrics, step) -> MLflow, and the step curves of the summary
     plugins: Any  # alignflow.core.plugins.Plugins
+    resolved: ResolvedStage | None = None  # its blocks as the pipeline's check validated them; None: from `spec`
+    world: int = 1  # the data-parallel processes (ranks) the stage runs on, all nodes together
+    options: RunOptions = field(default_factory=RunOptions.from_env)  # the run's (built by hand: the environment's)
+
+    def __post_init__(self):
+        if self.resolved is None:  # a context built by hand, or rebuilt from plain data in a child process
+            self.resolved = resolve_stage(self.spec, self.plugins, f"stage {self.name!r}", self.settings)
 
     def resuming(self) -> bool:
         """True when an interrupted run left checkpoints to resume from."""

@@ -101,7 +101,8 @@ def run_critique_revise(ctx: StageContext) -> StageResult:
     rows = read_rows(ctx.inputs["dataset"], critique_rows(bool(ctx.spec.rewards)))
     rewards = reward_set(ctx) if ctx.spec.rewards else None
     if ctx.spec.sampler is None:  # parse_spec fills it in; a spec built by hand may not have
-        ctx = dataclasses.replace(ctx, spec=ctx.spec.model_copy(update={"sampler": PluginRef(name=DEFAULT_SAMPLER)}))
+        ctx = dataclasses.replace(ctx, spec=ctx.spec.model_copy(update={"sampler": PluginRef(name=DEFAULT_SAMPLER)}),
+                                  resolved=None)  # resolved again, with the sampler
     with loaded_sampler(ctx) as (sampler, tokenizer):
         answers = generate(sampler, tokenizer, rows, s.n, s.generation, ctx.seed)
         revised, final, critique_tokens = critique_and_revise(sampler, tokenizer, rows, answers, principles, s,

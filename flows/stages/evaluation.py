@@ -5,7 +5,6 @@ from __future__ import annotations
 from alignflow.core.train.datasets import read_rows
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.scoring import accuracy_metrics, episodes_of, eval_schema, generate_and_score, reward_set
-from alignflow.flows.stages.training import plugin
 
 
 def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", sampler=None) -> dict[str, float]:
@@ -23,7 +22,7 @@ def evaluate_model(ctx: StageContext, model, tokenizer, prefix: str = "eval/", s
     rows = read_rows(ctx.inputs["eval_dataset"], eval_schema(ctx))[: s.eval_limit]
     own = sampler is None
     if own:
-        sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+        sampler = ctx.resolved.sampler.build()
         sampler.load(model, tokenizer)
     try:
         scored = generate_and_score(sampler, tokenizer, rows, 1, s.eval_generation, ctx.seed, reward_set(ctx),

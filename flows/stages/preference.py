@@ -30,7 +30,7 @@ from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline_loop import (Feed, eval_rows, final_metrics, held_out_metrics, micro_batches,
                                             split_rows, train_loop)
 from alignflow.flows.stages.training import (load_model_for, load_policy, load_tokenizer_for, lora_rank,
-                                             model_source, plugin, save_pretrained, total_steps)
+                                             model_source, save_pretrained, total_steps)
 
 
 
@@ -223,7 +223,7 @@ def load_reference(ctx: StageContext, src: str):
 def run_preference(ctx: StageContext) -> StageResult:
     """Train on preferences, report held-out preference or task accuracy, save the policy."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = ctx.resolved.algorithm.build()
     schema = preference_rows(algo, ctx.inputs["dataset"])
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)

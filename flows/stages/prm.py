@@ -16,8 +16,8 @@ from alignflow.core.train.engine import Engine
 from alignflow.core.train.offline import StepBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, plugin,
-                                             save_pretrained, total_steps)
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, save_pretrained,
+                                             total_steps)
 
 
 def step_major(values: torch.Tensor, labels: torch.Tensor) -> StepBatch:
@@ -50,7 +50,7 @@ def step_feed(engine, pad_id: int) -> Feed:
 def run_prm(ctx: StageContext) -> StageResult:
     """Train the value head and body on step labels, report held-out step accuracy, save the checkpoint."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = ctx.resolved.algorithm.build()
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_model_for(ctx, src, value_head=True)

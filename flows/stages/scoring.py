@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -21,9 +21,9 @@ from alignflow.core.spec.kinds import episode_rows, stage_kind
 from alignflow.core.progress import progress
 from alignflow.core.train.dist import gathered, rank_and_world
 from alignflow.core.environments.episodes import Episodes, episode_metrics
-from alignflow.core.rewards import Reward, RewardOutput, RewardSet
+from alignflow.core.rewards import Reward, RewardOutput, RewardSet, reward_labels
 from alignflow.core.sampling import Generation
-from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source, plugin
+from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, model_source
 
 CORRECT_AT = 1.0 - 1e-6
 CHUNK = 64  # prompts per sampler call, each call seeded by its first prompt's place
@@ -66,15 +66,19 @@ def eval_schema(ctx) -> str:
 def reward_set(ctx) -> RewardSet:
     """The stage's rewards; a config value `${inputs.NAME}` becomes that resolved stage input. With an
     environment its episode reward comes first (so it decides which samples are correct), under its name."""
-    refs = []
-    for ref in ctx.spec.rewards:
-        config = {k: _input_value(ctx, v) for k, v in ref.config.items()}
-        refs.append((ref.name, ref.weight, config))
-    rewards = RewardSet.from_refs(refs, ctx.plugins)
+    labels = reward_labels([ref.name for ref in ctx.spec.rewards])
+    rewards = [Reward(label, ref.weight, with_inputs(ctx, ref.config, use).build())
+               for label, ref, use in zip(labels, ctx.spec.rewards, ctx.resolved.rewards, strict=True)]
     env = ctx.spec.environment
-    if env is None:
-        return rewards
-    return RewardSet([Reward(env.name, env.weight, episode_reward), *rewards.rewards])  # labels checked unique
+    if env is not None:
+        rewards.insert(0, Reward(env.name, env.weight, episode_reward))
+    return RewardSet(rewards)  # labels checked unique
+
+
+def with_inputs(ctx, written: dict, use):
+    """`use` with each config value written `${inputs.NAME}` replaced by that input (the digest reads it as written)."""
+    given = {k: value for k, v in written.items() if (value := _input_value(ctx, v)) is not v}
+    return replace(use, config=use.config.model_copy(update=given)) if given else use
 
 
 def episode_reward(prompts, completions, episode_reward, **columns) -> list[float]:
@@ -87,9 +91,8 @@ def episodes_of(ctx) -> Episodes | None:
     env = ctx.spec.environment
     if env is None:
         return None
-    cls = ctx.plugins.environments.get(env.name)
-    config = env.validated(ctx.plugins.environments, f"stage {ctx.name!r}, environment")
-    return Episodes(cls, config, env.max_turns, env.max_tokens, env.tool_format, env.name, list(env.mcp))
+    use = ctx.resolved.environment
+    return Episodes(use.obj, use.config, env.max_turns, env.max_tokens, env.tool_format, env.name, list(env.mcp))
 
 
 @contextmanager
@@ -115,7 +118,7 @@ def loaded_sampler(ctx, key: str = "model"):
     """The stage's sampler loaded with model input `key` (on a GPU when there is one), and its tokenizer;
     closed (its engine stopped) when the block ends. A sampler that `loads_checkpoint` gets the folder."""
     join_ranks()  # a rank's GPU is chosen as it joins: before the model moves there
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler = ctx.resolved.sampler.build()
     with model_source(ctx, key) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         if sampler.loads_checkpoint:

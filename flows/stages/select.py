@@ -21,7 +21,6 @@ from pathlib import Path
 from alignflow.core import seeds
 from alignflow.core.train.datasets import iter_jsonl
 from alignflow.core.errors import DataError, SpecError
-from alignflow.core.spec.stage import build_plugin
 from alignflow.flows.stages import StageContext, StageResult
 
 
@@ -78,8 +77,8 @@ def run_select(ctx: StageContext) -> StageResult:
     n_in = len(rows)
     scored = score_rows(ctx, rows, source) if ctx.spec.rewards else {}
     ctx.log_metrics({"rows": float(n_in)}, 0)
-    for step, ref in enumerate(ctx.spec.selectors, start=1):
-        selector = build_plugin(ctx.plugins.selectors, ref, f"stage {ctx.name!r}, selectors[{step - 1}]")
+    for step, use in enumerate(ctx.resolved.selectors, start=1):
+        selector = use.build()
         rows = selector(rows, random.Random(seeds.selector(ctx.seed, step)))
         ctx.log_metrics({"rows": float(len(rows))}, step)
     out = ctx.work_dir / "data.jsonl"

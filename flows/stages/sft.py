@@ -11,7 +11,7 @@ from alignflow.core.train.offline import TokenBatch
 from alignflow.flows.stages import StageContext, StageResult
 from alignflow.flows.stages.evaluation import evaluate_model
 from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import (load_policy, load_tokenizer_for, model_source, plugin,
+from alignflow.flows.stages.training import (load_policy, load_tokenizer_for, model_source,
                                              save_pretrained, total_steps)
 
 
@@ -30,7 +30,7 @@ def token_feed(engine, pad_id: int) -> Feed:
 def run_sft(ctx: StageContext) -> StageResult:
     """Train, report the held-out loss (and eval_dataset accuracy with rewards), save the model."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = ctx.resolved.algorithm.build()
     with model_source(ctx) as src:
         tokenizer = load_tokenizer_for(ctx, src)
         model = load_policy(ctx, src)

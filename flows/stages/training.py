@@ -14,7 +14,6 @@ from alignflow.core import seeds
 from alignflow.core.errors import SpecError
 from alignflow.core.train.adapters import has_adapters, with_lora
 from alignflow.core.train.models import ValueModel, build_tiny, load_model, load_tokenizer, load_value_model
-from alignflow.core.spec.stage import PluginRef, build_plugin
 from alignflow.flows.stages import StageContext
 
 BUILTIN = "builtin:"
@@ -62,11 +61,6 @@ def lora_rank(settings) -> int:
     """`settings.lora.r`: 0 when LoRA is off or the settings have no `lora` block."""
     lora = getattr(settings, "lora", None)
     return lora.r if lora is not None else 0
-
-
-def plugin(ctx: StageContext, ref: PluginRef, registry, field: str):
-    """Instantiate a registered plugin class with its `config:` block as the checked spec validated it."""
-    return build_plugin(registry, ref, f"stage {ctx.name!r}, {field}")
 
 
 def total_steps(n_rows: int, settings) -> int:

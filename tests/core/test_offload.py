@@ -8,7 +8,8 @@ import yaml
 
 from helpers import engine_worker as worker
 from alignflow.core.rl.aggregation import aggregate
-from alignflow.core.train.engine import Engine, ds_config, frozen
+from alignflow.core.train.engine import Engine, frozen
+from alignflow.core.train.optim import ds_config
 from alignflow.core.errors import SpecError
 from alignflow.core.spec.settings import TrainSettings
 from alignflow.core.spec.schema import parse_spec

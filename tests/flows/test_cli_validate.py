@@ -188,13 +188,13 @@ SHIPPED = sorted((Path(__file__).resolve().parents[2] / "pipelines").glob("*.yam
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
 def test_every_shipped_pipeline_validates_with_its_settings_and_plugin_configs(path):
     from alignflow.core.plugins import get_plugins
-    from alignflow.core.spec.schema import load_spec
+    from alignflow.core.spec.schema import load_spec, resolved_stages
     from alignflow.flows.digest import stage_config
 
     spec = load_spec(path)
-    plugins = get_plugins()
+    resolved = resolved_stages(spec, get_plugins())
     for name in spec.order():
-        config = stage_config(name, spec.stages[name], plugins)
+        config = stage_config(spec.stages[name], resolved[name])
         assert config["kind"] == spec.stages[name].kind
 
 

@@ -23,7 +23,7 @@ def send(deployment: str, stage: str, pipeline_run: str):
                           tags=[shutdown.pipeline_run_tag(pipeline_run)])
 
 
-def test_a_stop_cancels_every_unfinished_flow_run_of_its_pipeline_run_and_no_other(monkeypatch):
+def test_a_stop_cancels_every_unfinished_flow_run_of_its_pipeline_run_and_no_other():
     deployment = deploy_stage_flow("idle")
     mine, other = str(uuid.uuid4()), str(uuid.uuid4())
     scheduled = send(deployment, "sft", mine)  # never recorded anywhere in this process: found by its tag
@@ -31,9 +31,7 @@ def test_a_stop_cancels_every_unfinished_flow_run_of_its_pipeline_run_and_no_oth
     elsewhere = send(deployment, "sft", other)  # another pipeline run's
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(done.id, Completed(), force=True)
-    monkeypatch.setattr(shutdown, "_flow_run_id", [mine])
-
-    asked = shutdown.cancel_pool_runs("stopped by SIGINT")
+    asked = shutdown.cancel_pool_runs(mine, "stopped by SIGINT")
     assert asked == {str(scheduled.id): f"stage 'sft' on work pool 'idle': flow run p.sft ({scheduled.id})"}
     assert shutdown.await_cancelled(asked, wait_s=30) == {str(scheduled.id): "Cancelled"}
     with get_client(sync_client=True) as client:
@@ -41,10 +39,12 @@ def test_a_stop_cancels_every_unfinished_flow_run_of_its_pipeline_run_and_no_oth
     assert [s.name for s in states.values()] == ["Cancelled", "Completed", "Scheduled"]
     # the second look, after the first ones were waited for, asks none twice
     late = send(deployment, "rl", mine)
-    assert list(shutdown.cancel_pool_runs("stopped", skip=frozenset(asked))) == [str(late.id)]
+    assert list(shutdown.cancel_pool_runs(mine, "stopped", skip=frozenset(asked))) == [str(late.id)]
 
 
-def test_no_stage_is_sent_once_a_stop_began(monkeypatch):
-    monkeypatch.setattr(shutdown, "_stopping", [True])
+def test_no_stage_is_sent_once_a_stop_began():
+    guard = shutdown.RunGuard()
+    guard.sending_to_pool()
+    guard.stopping = True
     with pytest.raises(RuntimeError, match="the pipeline is stopping"):
-        shutdown.sending_to_pool()
+        guard.sending_to_pool()

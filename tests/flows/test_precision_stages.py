@@ -69,11 +69,10 @@ def test_rl_in_bf16_mixed_starts_at_kl_zero(tmp_path, tiny_model):
                           lr=1e-3, generation={"max_new_tokens": 4}, recompute_old_logprobs=True)
     (tmp_path / "work").mkdir()
     logged = []
-    ctx = StageContext("rl", spec, settings, {"model": model, "dataset": rows}, tmp_path / "work",
-                       tmp_path / "checkpoints", 0, lambda m, s: logged.append((s, m)), None)
     from alignflow.core.plugins import get_plugins
 
-    ctx.plugins = get_plugins()
+    ctx = StageContext("rl", spec, settings, {"model": model, "dataset": rows}, tmp_path / "work",
+                       tmp_path / "checkpoints", 0, lambda m, s: logged.append((s, m)), get_plugins())
     result = run_rl(ctx)
     assert logged[0][1]["actor/kl_ref_k3"] == 0.0
     assert result.fingerprint["precision"] == "bf16-mixed"

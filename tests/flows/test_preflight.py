@@ -171,21 +171,23 @@ def test_a_self_play_sampling_stage_reads_sft_rows(project):
 
 
 def test_a_run_reads_and_checks_its_spec_once(project, monkeypatch):
-    """The CLI's check and `run_pipeline`'s share one read; taking it, the next run reads (and checks) anew."""
+    """The run plans the spec its check returned: the YAML read once, no stage's settings or plugin configs
+    validated again, each plan holding the stage as the check resolved it."""
+    from alignflow.core.plugins import get_plugins
+    from alignflow.core.spec import schema, stage
     from alignflow.flows import preflight
+    from alignflow.flows.plan import plan_pipeline
 
     (project / "rl.jsonl").write_text(json.dumps({"prompt": "1+1", "answer": "2"}) + "\n")
     reads = []
     monkeypatch.setattr(preflight, "read_yaml", lambda path, read=preflight.read_yaml: reads.append(path) or read(path))
-    sets = ["sample.inputs.model=./base"]
-    spec = check_pipeline(project / "p.yaml", sets, project, regenerate=True)  # `alignflow run`'s preflight
-    raw, same = preflight.run_spec(project / "p.yaml", sets, project)  # run_pipeline's
-    assert same is spec and raw["stages"]["sample"]["inputs"]["model"] == "./base"
-    assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is spec
-    assert len(reads) == 1
-    assert spec.stages["rl"].validated_settings().group_size == 8  # settings kept as validated
-    assert preflight.run_spec(project / "p.yaml", sets, project, take=True)[1] is not spec  # the next run
-    assert len(reads) == 2
+    checked = check_pipeline(project / "p.yaml", ["sample.inputs.model=./base"], project, regenerate=True)
+    assert checked.raw["stages"]["sample"]["inputs"]["model"] == "./base"
+    assert checked.stages["rl"].settings.group_size == 8 and checked.stages["rl"].algorithm.name == "grpo"
+    for module in (schema, stage):
+        monkeypatch.setattr(module, "validate_model", lambda *args: pytest.fail("validated again"))
+    plans = plan_pipeline(checked.spec, project, get_plugins(), resolved=checked.stages)
+    assert all(plans[name].resolved is checked.stages[name] for name in plans) and len(reads) == 1
 
 
 EPISODES = """

@@ -19,7 +19,8 @@ from alignflow.core.fingerprint import cpu
 from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows.cli import main
 from alignflow.flows.data import regenerate_data
-from alignflow.flows.pipeline import load_pipeline, run_pipeline
+from alignflow.flows.pipeline import run_pipeline
+from alignflow.flows.preflight import check_pipeline
 from alignflow.flows.reproduce import (compare_metrics, environment_differences, recorded_data_version,
                                       timing_dependent, within)
 from alignflow.flows.tracking import tracking_uri
@@ -206,7 +207,7 @@ def test_dvc_yaml_runs_valid_pipelines_and_its_lock_is_current(clone):
     for name, stage in stages.items():
         args = stage["cmd"].split()
         assert args[:2] == ["alignflow", "run"] and args[2] == f"pipelines/{name}.yaml", name
-        spec = load_pipeline(clone / args[2], [])  # the spec and its plugin configs validate
+        spec = check_pipeline(clone / args[2], [], Path("."), regenerate=True).spec  # its plugin configs validate
         assert args[2] in stage["deps"], name
         for path in (Path(v) for s in spec.stages.values() for v in s.inputs.values() if v.startswith("data/")):
             assert path.parent.as_posix() in stage["deps"], (name, path)  # its data folder: a change reruns it

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from alignflow.flows.launch import shutdown
 from alignflow.flows.tracking import SignalSafeClient, Tracker
 
 pytestmark = pytest.mark.system
@@ -48,7 +47,7 @@ def test_a_signal_inside_store_writes_never_keeps_the_run_from_closing(tmp_path,
                 run.log_metrics({"loss": 1.0 / (step + 1)}, step)
                 step += 1
         started = time.monotonic()
-        shutdown.close_open_runs()  # what the stage's cancel handler and the pipeline's Ctrl-C do
+        tracker.guard.close_open_runs()  # what the stage's cancel handler and the pipeline's Ctrl-C do
         assert time.monotonic() - started < 10, attempt
         closed = tracker.client.get_run(run.run_id)
         assert (closed.info.status, closed.data.tags["alignflow.status"]) == ("KILLED", "killed"), attempt

@@ -147,7 +147,7 @@ def test_rows_that_stop_leave_the_batch_without_changing_the_rest(policy, monkey
     monkeypatch.setattr(hf, "BATCH_STEP", batch_step)
     from transformers import DynamicCache
 
-    from alignflow.core.decoder import PackedDecoder
+    from alignflow.core.train.decoder import PackedDecoder
 
     kept = []
     cls, name = (PackedDecoder, "keep") if engine == "packed" else (DynamicCache, "batch_select_indices")

@@ -19,7 +19,7 @@ from verifiers.v1.dialects.chat import message_to_wire  # noqa: E402
 from alignflow.core import AlignflowError  # noqa: E402
 from alignflow.core.environments.episodes import Episodes, episode_metrics  # noqa: E402
 from alignflow.core.plugins import get_plugins  # noqa: E402
-from alignflow.core.spec.schema import parse_spec  # noqa: E402
+from alignflow.core.spec.schema import parse_spec, resolved_stages  # noqa: E402
 from alignflow.core.spec.settings import GenerationSettings  # noqa: E402
 from alignflow.core.task.tokenizer import build_char_tokenizer  # noqa: E402
 from alignflow.core.train.models import token_logprobs  # noqa: E402
@@ -233,7 +233,7 @@ def test_its_config_the_loader_s_source_and_the_packages_it_names_enter_the_dige
         "kind": "rl", "inputs": {"model": "builtin:tiny", "dataset": "rl.jsonl"}, "algorithm": "grpo",
         "environment": {"name": "verifiers", "config": {"loader": f"{ID}:multi_turn", "columns": {"prompt": "q"}}}}}}
     spec, plugins = parse_spec(raw, "vf.yaml", get_plugins()), get_plugins()
-    config = stage_config("rl", spec.stages["rl"], plugins)["environment"]["config"]
+    config = stage_config(spec.stages["rl"], resolved_stages(spec, plugins)["rl"])["environment"]["config"]
     assert config["loader"] == f"{ID}:multi_turn" and config["columns"] == {"prompt": "q"}
     assert config["sources"] == {__file__: hashlib.sha256(Path(__file__).read_bytes()).hexdigest()}
     versions = plugin_versions(spec.stages["rl"], plugins)["environment/verifiers"]

@@ -12,6 +12,7 @@ from alignflow.core import seeds
 from alignflow.core.train.engine import Engine, frozen
 from alignflow.core.errors import SpecError
 from alignflow.core.rewards import RewardSet
+from alignflow.flows.options import AUTO_ASYNC_ENV
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.training import load_model_for, load_tokenizer_for, lora_rank, model_source
 
@@ -86,9 +87,6 @@ def engines(ctx: StageContext, model, critic, total: int, updates: int):
     return engine, critic
 
 
-AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # "false": `async_rollouts: auto` stays off (the test suite pins it)
-
-
 def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
     """Whether the stage's rollouts run asynchronously, and why. The worker holds a copy of the policy module: it
     needs whole weights and a sampler that generates on a module (one with an engine of its own, as `vllm`,
@@ -99,7 +97,7 @@ def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
     it saves)."""
     s, name = ctx.settings, ctx.spec.sampler.name
     where = f"stage {ctx.name!r}, settings.async_rollouts"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = ctx.world
     cannot = ("ZeRO-3 shards the weights the rollout worker needs whole: use zero_stage 0-2"
               if s.zero_stage == 3 else
               f"{world} processes: asynchronous rollouts run beside one process (each rank would need a worker of "
@@ -116,8 +114,8 @@ def async_choice(ctx: StageContext, algo, sampler_cls) -> tuple[bool, str]:
         return False, "max_staleness 0: synchronous"
     if s.async_rollouts != "auto":
         return s.async_rollouts, "set"
-    if os.environ.get(AUTO_OVERLAP_ENV, "").lower() in ("0", "false", "off"):
-        return False, f"auto: {AUTO_OVERLAP_ENV}"
+    if not ctx.options.auto_async:  # the run's options (ALIGNFLOW_AUTO_OVERLAP=false)
+        return False, f"auto: {AUTO_ASYNC_ENV}"
     cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
     why = (cannot
            or (not algo.needs_old_logprobs and f"algorithm {ctx.spec.algorithm.name!r} takes no ratio to pi_old")

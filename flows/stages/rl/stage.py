@@ -11,7 +11,6 @@ a file of its own: rl_guided, rl_replay, rl_costs, rl_state, rl_params.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from alignflow.flows.stages.rl.setup import (engines, load_reference, load_teach
 from alignflow.flows.stages.rl.state import checkpoint_state, consumed_entry, resume
 from alignflow.flows.stages.rl.update import Knobs, Targets, critic_values, prepare, rollout_stats, update
 from alignflow.flows.stages.scoring import dataset_schema, episodes_of, reward_set
-from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, plugin, \
+from alignflow.flows.stages.training import load_model_for, load_policy, load_tokenizer_for, model_source, \
     save_pretrained
 
 __all__ = ["check_ranks", "rl_steps", "run_rl"]
@@ -76,10 +75,10 @@ class Parts:
 def build(ctx: StageContext) -> tuple[Parts, int]:
     """The algorithm, models (resumed), sampler and rewards of a stage, and its number of rollouts."""
     s = ctx.settings
-    algo = plugin(ctx, ctx.spec.algorithm, ctx.plugins.algorithms, "algorithm")
+    algo = ctx.resolved.algorithm.build()
     check_costs(ctx, algo)  # before any model loads
     check_ranks(ctx)
-    asynchronous, why = async_choice(ctx, algo, ctx.plugins.samplers.get(ctx.spec.sampler.name))
+    asynchronous, why = async_choice(ctx, algo, ctx.resolved.sampler.obj)
     log.info("stage %r: asynchronous rollouts %s (%s)", ctx.name, "on" if asynchronous else "off", why)
     dataset = read_rows(ctx.inputs["dataset"], dataset_schema(ctx))
     total, n_minibatches = rl_steps(len(dataset), s), minibatches_per_rollout(ctx, algo)
@@ -94,7 +93,7 @@ def build(ctx: StageContext) -> tuple[Parts, int]:
     reference, teacher = engine.match(reference), engine.match(teacher)  # attend as the policy does
     if algo.requires_reference and reference is None:
         reference = AdaptersOff(engine.module)
-    sampler = plugin(ctx, ctx.spec.sampler, ctx.plugins.samplers, "sampler")
+    sampler = ctx.resolved.sampler.build()
     sampler.set_precision(engine.precision)
     sampler.load(engine.module, tokenizer)
     if asynchronous:
@@ -111,7 +110,7 @@ def check_ranks(ctx: StageContext) -> None:
     """What running on several data-parallel ranks needs: a prompt per rank, minibatches of a micro-batch
     per rank, and no ZeRO-3 (each rank generates on its own, and a ZeRO-3 forward is a collective every
     rank would have to join)."""
-    s, world = ctx.settings, int(os.environ.get("WORLD_SIZE", "1"))
+    s, world = ctx.settings, ctx.world
     if world == 1:
         return
     if s.zero_stage == 3:

@@ -5,7 +5,7 @@ import yaml
 
 from alignflow.core import SpecError
 from alignflow.core.plugins import get_plugins
-from alignflow.core.spec.schema import parse_spec
+from alignflow.core.spec.schema import parse_spec, resolved_stages
 from alignflow.flows.digest import plugin_versions, stage_config
 
 SPEC = """
@@ -64,14 +64,15 @@ def test_rl_without_rewards_or_environment_is_refused():
 
 def test_the_digest_holds_the_environment_its_limits_and_its_code_and_stages_without_one_are_unchanged():
     spec, plugins = parse(), get_plugins()
-    config = stage_config("rl", spec.stages["rl"], plugins)
+    config = stage_config(spec.stages["rl"], resolved_stages(spec, plugins)["rl"])
     assert config["environment"] == {"name": "math_tools", "config": {"tools": ["calculator", "python"]},
                                      "max_turns": 3, "max_tokens": None, "tool_format": "auto", "weight": 1.0}
     versions = plugin_versions(spec.stages["rl"], plugins)
     assert versions["environment/math_tools"]["distribution"] == "alignflow"
     assert len(versions["environment/math_tools"]["source"]) == 64  # a hash of the code it imports
     plain = parse(rl__environment=None, rl__rewards=["math_accuracy"])
-    assert "environment" not in stage_config("rl", plain.stages["rl"], plugins)  # earlier digests stay valid
+    # earlier digests stay valid
+    assert "environment" not in stage_config(plain.stages["rl"], resolved_stages(plain, plugins)["rl"])
 
 
 TIME = {"command": ["mcp-server-time", "--local-timezone", "UTC"], "tools": ["convert_time"]}
@@ -97,7 +98,7 @@ def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
 
     def env_config(*servers):
         spec = parse(rl__environment={"name": "math_tools", "mcp": list(servers)})
-        return stage_config("rl", spec.stages["rl"], plugins)["environment"]
+        return stage_config(spec.stages["rl"], resolved_stages(spec, plugins)["rl"])["environment"]
 
     config = env_config(TIME)
     assert config["mcp"] == [{**TIME, "env": {}, "cwd": None, "url": None, "timeout_s": 30.0}]
@@ -106,7 +107,8 @@ def test_the_digest_holds_each_mcp_server_and_the_tools_it_keeps():
     assert all(other != config for other in others)
     assert env_config({**TIME, "start_timeout_s": 5}) == config  # how long a start may take changes no result
     without = parse()
-    assert "mcp" not in stage_config("rl", without.stages["rl"], plugins)["environment"]  # earlier digests stay
+    # earlier digests stay
+    assert "mcp" not in stage_config(without.stages["rl"], resolved_stages(without, plugins)["rl"])["environment"]
 
 
 def test_a_stage_s_episodes_carry_its_mcp_servers(tmp_path):
@@ -114,7 +116,7 @@ def test_a_stage_s_episodes_carry_its_mcp_servers(tmp_path):
     from helpers.stages import stage_context
 
     spec = parse(rl__environment={"name": "math_tools", "mcp": [TIME]})
-    ctx = stage_context(tmp_path, spec, "rl", settings=spec.stages["rl"].validated_settings())
+    ctx = stage_context(tmp_path, spec, "rl", settings=resolved_stages(spec, get_plugins())["rl"].settings)
     episodes = episodes_of(ctx)
     assert [s.command for s in episodes.mcp] == [TIME["command"]] and episodes.mcp[0].tools == ["convert_time"]
 

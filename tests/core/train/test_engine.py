@@ -16,7 +16,8 @@ import transformers
 
 from helpers import engine_worker as worker
 from alignflow.core.rl.aggregation import MODES, StepNorm, aggregate
-from alignflow.core.train.engine import Engine, frozen, lr_lambda
+from alignflow.core.train.engine import Engine, frozen
+from alignflow.core.train.optim import lr_lambda
 from alignflow.core.errors import AlignflowError
 from alignflow.core.spec.settings import TrainSettings
 

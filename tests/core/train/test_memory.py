@@ -15,7 +15,7 @@ from alignflow.core.errors import AlignflowError
 from alignflow.core.train.memory import Counts, count_parameters, gib, model_states, parse_size, stage_memory
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.settings import LoraSettings
-from alignflow.core.spec.schema import parse_spec
+from alignflow.core.spec.schema import parse_spec, resolved_stages
 
 # Qwen2.5-0.5B-Instruct's config.json (the architecture fields)
 QWEN05 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
@@ -93,7 +93,8 @@ def test_the_printed_figure_is_deepspeeds_estimator(qwen05, zero, opt, params):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
     spec = spec_of(SPEC.format(model=qwen05, zero=zero, opt=opt, params=params))
-    memory = stage_memory(spec, "train", get_plugins(), Path("."), gpus_per_node=4, nodes=2)
+    resolved = resolved_stages(spec, get_plugins())["train"]
+    memory = stage_memory(spec, "train", resolved, Path("."), gpus_per_node=4, nodes=2)
     if zero == 2:
         _, gpu = estimate_zero2_model_states_mem_needs(QWEN05_PARAMS, 4, 2, cpu_offload=opt == "cpu")
         table = ds_table(estimate_zero2_model_states_mem_needs_all_cold, QWEN05_PARAMS, 4, 2)
@@ -120,7 +121,7 @@ stages:
     algorithm: dpo
     settings: {{dtype: bf16}}
 """)
-    memory = stage_memory(spec, "dpo", get_plugins(), Path("."), gpus_per_node=8)
+    memory = stage_memory(spec, "dpo", resolved_stages(spec, get_plugins())["dpo"], Path("."), gpus_per_node=8)
     assert memory.states_gpu == 20 * QWEN05_PARAMS  # ZeRO-0 partitions nothing: 2 + 18 bytes a parameter
     assert memory.frozen == {"reference": Counts(QWEN05_PARAMS, QWEN05_LARGEST)}
     assert memory.frozen_gpu == 2 * QWEN05_PARAMS  # the bf16 reference, whole on every GPU
@@ -139,7 +140,7 @@ stages:
     sampler: {{name: vllm, config: {{gpu_memory_utilization: 0.3}}}}
     settings: {{dtype: bf16, zero_stage: 2, lora: {{r: 8}}}}
 """)
-    memory = stage_memory(spec, "grpo", get_plugins(), Path("."))
+    memory = stage_memory(spec, "grpo", resolved_stages(spec, get_plugins())["grpo"], Path("."))
     assert memory.trained == {"LoRA adapters": Counts(4_399_104, 8 * 4864)}
     assert memory.frozen == {"base weights": Counts(QWEN05_PARAMS, QWEN05_LARGEST)}  # the reference is the base
     assert memory.states_gpu == 20 * 4_399_104 and memory.frozen_gpu == 2 * QWEN05_PARAMS
@@ -149,7 +150,7 @@ stages:
 def test_an_unreachable_model_is_not_estimated(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     spec = spec_of(SPEC.format(model="nobody-here/NoSuchModel-7B", zero=2, opt="none", params="none"))
-    line = stage_memory(spec, "train", get_plugins(), Path(".")).line()
+    line = stage_memory(spec, "train", resolved_stages(spec, get_plugins())["train"], Path(".")).line()
     assert line.startswith("train: not estimated: nobody-here/NoSuchModel-7B: its config is not in the local")
 
 

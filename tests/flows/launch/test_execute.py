@@ -6,7 +6,7 @@ import torch
 from alignflow.core import fingerprint as fp
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.schema import load_spec
-from alignflow.flows.launch.execute import execute_stage
+from alignflow.flows.launch.execute import Launcher, execute_stage
 from alignflow.flows.options import RunOptions
 from alignflow.flows.plan import plan_pipeline
 from alignflow.flows.store.artifacts import ArtifactStore
@@ -27,7 +27,7 @@ def test_manifest_and_run_record_the_fingerprint_and_a_cached_stage_keeps_where_
     plugins = get_plugins()
     plan = plan_pipeline(load_spec(project / "chain.yaml"), project, plugins)["a"]
     store, tracker = ArtifactStore(project / "artifacts"), _tracker(project)
-    ran = execute_stage(plan, {}, store, tracker, plugins, RunOptions())
+    ran = execute_stage(plan, {}, store, tracker, plugins, Launcher())
     recorded = store.manifest("a", plan.digest)["fingerprint"]
     assert recorded["torch"] == torch.__version__
     assert recorded["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
@@ -45,7 +45,7 @@ def test_manifest_and_run_record_the_fingerprint_and_a_cached_stage_keeps_where_
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "FAKE512")
     try:
         again = plan_pipeline(load_spec(project / "chain.yaml"), project, plugins)["a"]
-        cached = execute_stage(again, {}, store, tracker, plugins, RunOptions())
+        cached = execute_stage(again, {}, store, tracker, plugins, Launcher())
     finally:
         fp.cpu.cache_clear()
     assert (again.digest, cached.status) == (plan.digest, "cached")
@@ -63,7 +63,7 @@ def test_a_failed_stage_run_is_tagged_with_the_fingerprint(tmp_path, make_projec
     monkeypatch.setitem(RUNNERS, "select", lambda ctx: 1 / 0)
     tracker = _tracker(project)
     with pytest.raises(StageFailed):
-        execute_stage(plan, {}, ArtifactStore(project / "artifacts"), tracker, plugins, RunOptions())
+        execute_stage(plan, {}, ArtifactStore(project / "artifacts"), tracker, plugins, Launcher())
     run = tracker.client.search_runs([tracker.experiment_id], "tags.`alignflow.status` = 'failed'")[0]
     assert run.data.tags["alignflow.fp.torch"] == torch.__version__
     assert "ZeroDivisionError" in run.data.tags["alignflow.error"]
@@ -82,5 +82,5 @@ def test_stages_side_by_side_keep_auto_overlap_off(monkeypatch, tmp_path, parall
     spec = StageSpec(kind="rl", inputs={"model": "m", "dataset": "d.jsonl"}, algorithm="grpo")
     ctx = StageContext("rl", spec, RLSettings(), {}, tmp_path / "work", tmp_path / "checkpoints", 0,
                        lambda m, s: None, get_plugins())
-    execute.call_runner("rl", ctx, [], RunOptions(parallel=parallel))
+    execute.Launcher(RunOptions(parallel=parallel)).call_runner("rl", ctx, [])
     assert seen == [expected]

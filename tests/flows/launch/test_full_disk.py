@@ -11,8 +11,7 @@ from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.schema import load_spec
 from alignflow.core.task.arithmetic import write_datasets
 from alignflow.core.train import checkpoint
-from alignflow.flows.launch.execute import StageFailed, execute_stage
-from alignflow.flows.options import RunOptions
+from alignflow.flows.launch.execute import Launcher, StageFailed, execute_stage
 from alignflow.flows.plan import plan_pipeline
 from alignflow.flows.store.artifacts import ArtifactStore
 from alignflow.flows.tracking import Tracker
@@ -47,7 +46,7 @@ def test_a_full_disk_fails_the_stage_by_name_and_the_rerun_resumes_once_there_is
     tracker = Tracker(tmp_path, "full-disk")
     tracker.parent_id = tracker.client.create_run(tracker.experiment_id).info.run_id
     straight = ArtifactStore(tmp_path / "straight")
-    execute_stage(plan, {}, straight, tracker, plugins, RunOptions())
+    execute_stage(plan, {}, straight, tracker, plugins, Launcher())
 
     store = ArtifactStore(tmp_path / "artifacts")
     root = store.checkpoint_dir("sft", plan.digest)
@@ -63,7 +62,7 @@ def test_a_full_disk_fails_the_stage_by_name_and_the_rerun_resumes_once_there_is
 
         monkeypatch.setattr(checkpoint, "save", then_fill)
         with pytest.raises(StageFailed) as failed:
-            execute_stage(plan, {}, store, tracker, plugins, RunOptions())
+            execute_stage(plan, {}, store, tracker, plugins, Launcher())
         message = str(failed.value)  # what `alignflow run` prints in its summary for the stage
         assert message.startswith("stage 'sft' failed") and "CheckpointError" in message, message
         assert f"step 4 to {root / '.tmp-step-00000004'}" in message, message
@@ -76,7 +75,7 @@ def test_a_full_disk_fails_the_stage_by_name_and_the_rerun_resumes_once_there_is
         disk.make_room()
         monkeypatch.setattr(checkpoint, "save", save)
         with caplog.at_level(logging.INFO, logger="alignflow.core.train.engine"):
-            rerun = execute_stage(plan, {}, store, tracker, plugins, RunOptions())
+            rerun = execute_stage(plan, {}, store, tracker, plugins, Launcher())
     assert "step-00000002 at step 2" in caplog.text
     assert rerun.status == "resumed" and rerun.metrics["steps"] == 4
     ours, theirs = weights(store, plan.digest), weights(straight, plan.digest)

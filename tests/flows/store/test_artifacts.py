@@ -7,8 +7,7 @@ import pytest
 from alignflow.core.plugins import get_plugins
 from alignflow.core.spec.schema import load_spec
 from alignflow.flows.store.artifacts import ArtifactStore, write_json_atomic
-from alignflow.flows.launch.execute import execute_stage
-from alignflow.flows.options import RunOptions
+from alignflow.flows.launch.execute import Launcher, execute_stage
 from alignflow.flows.plan import plan_pipeline
 from alignflow.flows.stages.runners import RUNNERS
 from alignflow.flows.tracking import Tracker
@@ -32,7 +31,7 @@ def test_two_concurrent_runs_of_a_stage_run_it_once(tmp_path, make_project, monk
     results = []
 
     def run():
-        results.append(execute_stage(plan, {}, store, tracker, plugins, RunOptions()))
+        results.append(execute_stage(plan, {}, store, tracker, plugins, Launcher()))
 
     tracker = Tracker(project, "concurrency")
     tracker.parent_id = tracker.client.create_run(tracker.experiment_id).info.run_id

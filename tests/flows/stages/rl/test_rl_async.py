@@ -1,5 +1,6 @@
 """Asynchronous rollouts: a worker process generates step s + k's first round while step s trains."""
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -128,10 +129,9 @@ def test_a_worker_that_dies_is_an_error_not_a_hang(tiny):
 def test_async_refuses_what_it_cannot_run(tmp_path, plugins, tiny, monkeypatch, settings, sampler, env, message):
     from alignflow.core import SpecError
 
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, async_rollouts=True, **settings)
+    ctx = dataclasses.replace(ctx, world=int(env.get("WORLD_SIZE", 1)))  # the ranks the launcher gave it
     with pytest.raises(SpecError, match=message):
         run_rl(ctx)
 
@@ -161,9 +161,11 @@ def test_auto_overlaps_only_where_the_worker_gets_a_core_of_its_own(tmp_path, pl
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for key, value in env.items():
-        monkeypatch.setenv(key, value)
+        if key != "WORLD_SIZE":
+            monkeypatch.setenv(key, value)
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, [], sampler=sampler, **settings)
+    ctx = dataclasses.replace(ctx, world=int(env.get("WORLD_SIZE", 1)))  # the ranks the launcher gave it
     algo = plugins.algorithms.get("grpo")()
     got, reason = async_choice(ctx, algo, plugins.samplers.get(sampler))
     assert got is on and reason.startswith(why)

@@ -126,7 +126,7 @@ def test_gigpo_trains_on_episodes_with_an_advantage_per_turn(tmp_path, plugins, 
 
 
 def test_gigpo_refuses_a_stage_without_an_environment(tmp_path, plugins, tiny):
-    ctx = make_ctx(tmp_path, plugins, tiny, "gigpo", rows(tmp_path / "rl.jsonl"), [])
+    ctx = make_ctx(tmp_path, plugins, tiny, "gigpo", rows(tmp_path / "rl.jsonl"), [], rewards=("math_accuracy",))
     with pytest.raises(SpecError, match="GiGPO learns from the turns of multi-turn episodes"):
         run_rl(ctx)
 

@@ -1,5 +1,7 @@
 """The rl stage on several data-parallel ranks: the rollouts, updates and evaluation one process would make."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -120,13 +122,15 @@ def test_dapo_refills_over_two_ranks(tmp_path, plugins, tiny):
 
 def test_several_ranks_need_a_prompt_each_and_no_zero3(tmp_path, plugins, tiny, monkeypatch):
     data = write_rows(tmp_path / "rl.jsonl", ["x"] * 4)
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4))
+    def on_four(**settings):  # the context of a stage the launcher gives 4 ranks
+        return dataclasses.replace(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], **settings), world=4)
+
+    check_ranks(on_four(prompts_per_step=4))
     with pytest.raises(SpecError, match="prompts_per_step: 2 prompts cannot be shared by 4 processes"):
-        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, []))
+        check_ranks(on_four())
     with pytest.raises(SpecError, match="zero_stage: an rl stage on 4 processes.*use zero_stage 0, 1 or 2"):
-        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4, zero_stage=3))
+        check_ranks(on_four(prompts_per_step=4, zero_stage=3))
     # 4 prompts x 4 = 16 completions a minibatch: micro-batches of 8 cannot give each of 4 ranks one
     with pytest.raises(SpecError, match="micro_batch_size: each minibatch of 16 completions .* shared by 4 "
                                         "processes .* 16 must be a multiple of 8 x 4"):
-        check_ranks(make_ctx(tmp_path, plugins, tiny, "grpo", data, [], prompts_per_step=4, micro_batch_size=8))
+        check_ranks(on_four(prompts_per_step=4, micro_batch_size=8))

@@ -17,6 +17,7 @@ from alignflow.core.rl.algorithm import Rollout
 from alignflow.core.rl.capabilities import EpisodeTurns, has
 from alignflow.core.spec.settings import RLSettings
 from alignflow.core.spec.schema import StageSpec
+from alignflow.core.spec.stage import resolve_stage
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.rl.stage import run_rl
 from alignflow.flows.stages.rl.rollout import Samples, to_batch
@@ -156,6 +157,7 @@ def test_a_reward_model_input_reaches_a_reward_config(tmp_path, plugins, tiny):
     ctx = make_ctx(tmp_path, plugins, tiny, "grpo", data, log, max_steps=1)
     ctx.spec.rewards = StageSpec(kind="rl", rewards=[
         "ascii_first", {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
+    ctx.resolved = resolve_stage(ctx.spec, ctx.plugins, settings=ctx.settings)  # the rewards just set
     ctx.inputs["prm"] = tmp_path / "prm"
     run_rl(ctx)
     # a fresh head scores 0, so every step is 0.5 likely to be right, and so is the worst one
@@ -197,6 +199,7 @@ def with_prm(ctx, tiny, tmp_path, outcome="ascii_first"):
     """Add a `prm` reward (weight 0) reading the stage's `prm` input, a random-headed tiny PRM."""
     ctx.spec.rewards = StageSpec(kind="rl", rewards=[
         outcome, {"name": "prm", "weight": 0.0, "config": {"path": "${inputs.prm}"}}]).rewards
+    ctx.resolved = resolve_stage(ctx.spec, ctx.plugins, settings=ctx.settings)  # the rewards just set
     ctx.inputs["prm"] = prm_checkpoint(tiny, tmp_path / "prm")
 
 

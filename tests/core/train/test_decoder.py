@@ -6,7 +6,7 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                           Qwen3ForCausalLM)
 
-from alignflow.core.decoder import PackedDecoder, unsupported
+from alignflow.core.train.decoder import PackedDecoder, unsupported
 from alignflow.core.sampling import left_pad
 
 SMALL = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
