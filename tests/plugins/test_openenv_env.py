@@ -131,6 +131,19 @@ def test_a_server_too_slow_for_timeout_s_ends_that_episode_as_an_error(server_ur
     assert time.monotonic() - start < 4.5
 
 
+def dead(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} still runs {timeout_s:g} s after SIGKILL")
+
+
 @pytest.mark.system
 def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none_even_on_ctrl_c(tmp_path):
     pytest.importorskip("openenv")
@@ -144,6 +157,7 @@ def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leave
         if call == 1 and not killed:  # after the first step: the server dies under the second episode
             killed.append(int(pidfile.read_text()))
             os.kill(killed[0], 9)
+            dead(killed[0])  # dead before the next round looks (SIGKILL lands late on a loaded machine)
         said = re.search(r"say (\d+)", context)
         return said[1] if said else ("1" if secret(0, 1, 10) != 1 else "2")
 
