@@ -145,7 +145,7 @@ def dead(pid: int, timeout_s: float = 10.0) -> None:
 
 
 @pytest.mark.system
-def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none_even_on_ctrl_c(tmp_path):
+def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leaves_none_even_on_ctrl_c(tmp_path, request):
     pytest.importorskip("openenv")
     pidfile = tmp_path / "pid"
     config = dict(command=SERVER, cwd=str(TESTS), env={"OPENENV_TEST_PIDFILE": str(pidfile)}, **GAME)
@@ -165,6 +165,9 @@ def test_command_mode_holds_one_server_for_a_stage_restarts_a_dead_one_and_leave
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         return "sleep 2"
 
+    # Ctrl-C as a terminal sends it; a pytest-xdist worker ignores SIGINT, so the test restores Python's handler
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     with pytest.raises(KeyboardInterrupt):
         with episodes(**config).hold() as held:  # as a stage holds it: one server for every round
             g = held.generate(Scripted(script), TOK, rows, 1, GEN, seed=0)
