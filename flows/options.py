@@ -1,6 +1,6 @@
 """Run options: one frozen object, read once from flags and environment where a run starts.
 
-`alignflow run` (flows/cli.py) and the Python API (flows/api.py) build it with `RunOptions.from_env`,
+`alignflow run` (flows/cli_run.py) and the Python API (flows/api.py) build it with `RunOptions.from_env`,
 the one place that reads the ALIGNFLOW_* variables; everything below gets it as an argument, and a
 stage's processes get the values they need in their payload. Flags override variables.
 """
