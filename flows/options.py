@@ -1,6 +1,6 @@
 """Run options: one frozen object, read once from flags and environment where a run starts.
 
-`alignflow run` (flows/cli.py) and the Python API (flows/api.py) build it with `RunOptions.from_env`,
+`alignflow run` (flows/cli_run.py) and the Python API (flows/api.py) build it with `RunOptions.from_env`,
 the one place that reads the ALIGNFLOW_* variables; everything below gets it as an argument, and a
 stage's processes get the values they need in their payload. Flags override variables.
 """
@@ -26,6 +26,7 @@ LOCK_ENV = "ALIGNFLOW_ARTIFACT_LOCK"  # lease (default) | none: the user vouches
 LEASE_ENV = "ALIGNFLOW_LOCK_LEASE_S"
 LOCKINGS = ("lease", "none")
 AUTO_ASYNC_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # "false": `async_rollouts: auto` stays off (the test suite pins it)
+AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # fp32 | bf16-mixed: what `precision: auto` becomes (the suite: fp32)
 # `alignflow reproduce` in another environment: |recorded - now| <= REPRODUCE_TOLERANCE x max(1, |recorded|), 0.05
 # absolute for an accuracy or a small loss, 5% of a larger value. Measured across CPU kinds (AVX2 against
 # AVX-512, the same versions): r1-tiny's metrics moved by up to 0.032 (eval accuracy 0.258 against 0.290).
@@ -95,10 +96,13 @@ class RunOptions:
     artifact_lock: str = "lease"  # lease | none (one writer at a time, vouched for by the user)
     lock_lease_s: float = 120.0  # how long a dead run's stage lock outlives its last heartbeat
     auto_async: bool = True  # whether `async_rollouts: auto` may turn asynchronous rollouts on
+    auto_precision: str | None = None  # what `precision: auto` becomes, fp32 | bf16-mixed; None: the hardware decides
 
     def __post_init__(self):
         if self.artifact_lock not in LOCKINGS:
             raise SpecError(f"{LOCK_ENV}={self.artifact_lock!r}: expected 'lease' or 'none'")
+        if self.auto_precision not in (None, "fp32", "bf16-mixed"):
+            raise SpecError(f"{AUTO_PRECISION_ENV}={self.auto_precision!r}: expected fp32 or bf16-mixed")
 
     @property
     def parallel_stages(self) -> int:
@@ -146,6 +150,7 @@ class RunOptions:
             artifact_lock=env.get(LOCK_ENV, "lease"),
             lock_lease_s=cls.lock_lease_s if lease is None else _seconds(lease),
             auto_async=env.get(AUTO_ASYNC_ENV, "").lower() not in ("0", "false", "off"),
+            auto_precision=env.get(AUTO_PRECISION_ENV) or None,
         )
 
 

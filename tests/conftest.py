@@ -15,7 +15,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # `precision: auto` resolves to fp32 on every machine (see `auto_precision_is_fp32`), in module- and session-scoped
 # fixtures' processes too, which start before any function-scoped fixture runs
-AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.core.train.precision.AUTO_ENV
+AUTO_PRECISION_ENV = "ALIGNFLOW_AUTO_PRECISION"  # alignflow.flows.options.AUTO_PRECISION_ENV
 os.environ[AUTO_PRECISION_ENV] = "fp32"
 # and `async_rollouts: auto` stays off (see `auto_overlap_is_off`)
 AUTO_OVERLAP_ENV = "ALIGNFLOW_AUTO_OVERLAP"  # alignflow.flows.options.AUTO_ASYNC_ENV
@@ -80,9 +80,11 @@ def auto_precision_is_fp32(request, monkeypatch):
     """`precision: auto` (every training stage's default) resolves to fp32 without probing, on every machine:
     on a CPU with bf16 hardware (AVX-512 BF16, AMX) or a GPU it could pick bf16-mixed, and the tests that compare
     exact numbers (accumulation against one batch, resumed against uninterrupted) would then depend on the
-    machine. ALIGNFLOW_AUTO_PRECISION=fp32 (core/train/precision.py), set when this file loads and again for each
-    test, is inherited by child processes and ranks. A test marked `precision_auto` gets the real resolution.
-    (The name is spelled out: importing that module would import torch into tests that check it stays out;
+    machine. ALIGNFLOW_AUTO_PRECISION=fp32, set when this file loads and again for each test, is read into a run's
+    `RunOptions.auto_precision` (flows/options.py), which its stages and ranks get; child processes inherit the
+    variable. Tests that create an `Engine` themselves pass `auto_precision="fp32"`. A test marked
+    `precision_auto` gets the real resolution.
+    (The name is spelled out, so that this file imports nothing of alignflow before the tests do;
     tests/core/train/test_precision.py checks the spelling.)"""
     if request.node.get_closest_marker("precision_auto"):
         monkeypatch.delenv(AUTO_PRECISION_ENV, raising=False)

@@ -129,16 +129,18 @@ class Engine:
         out_dir: str | Path | None = None,
         *,
         resume: bool | int = True,
+        auto_precision: str | None = None,
     ) -> "Engine":
         """Wrap `model` in DeepSpeed and resume from `out_dir`'s latest good checkpoint.
 
         `resume=True` takes the newest valid checkpoint, an int takes exactly that step (e.g. a critic
-        follows its policy's step), False or 0 starts fresh.
+        follows its policy's step), False or 0 starts fresh. `auto_precision`: what `precision: auto` becomes
+        (the run's `RunOptions.auto_precision`), None to decide from the hardware.
         """
         init_distributed()
         if get_accelerator().device_name() == "cpu":
             keep_freed_memory()  # no page faults for the activations each micro-batch frees and allocates again
-        resolved = resolve_precision(settings, model)
+        resolved = resolve_precision(settings, model, auto_precision)
         config = ds_config(settings, dist.get_world_size(), sum(p.numel() for p in model.parameters()))
         # ZeRO-0 fp32 (bf16-mixed too: fp32 weights) steps our torch AdamW directly and DeepSpeed drops the norm
         # it clips by: clip in the optimizer's pre-step hook instead, after DeepSpeed's all-reduce
@@ -287,10 +289,10 @@ class Engine:
         return True
 
 
-def resolve_precision(settings: TrainSettings, model: torch.nn.Module) -> precision.Resolved:
+def resolve_precision(settings: TrainSettings, model: torch.nn.Module, auto: str | None = None) -> precision.Resolved:
     """`settings.precision` resolved for `model` (core/train/precision.py), alike on every rank (rank 0's choice
     where `auto` probed), and logged."""
-    resolved = precision.resolve(settings, model)
+    resolved = precision.resolve(settings, model, auto)
     if settings.precision == "auto" and dist.get_world_size() > 1:
         shared = [resolved]
         dist.broadcast_object_list(shared, src=0)

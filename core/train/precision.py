@@ -11,13 +11,13 @@
   `MIN_GAIN` faster than fp32. Models over `PROBE_MAX_PARAMS` skip the probe on such a CPU and get
   `bf16-mixed` (their matmuls are large enough for bf16 to pay, and a probe would cost minutes).
 
-`ALIGNFLOW_AUTO_PRECISION` (`fp32` or `bf16-mixed`), when set, is what `auto` resolves to without looking at
-the hardware: the test suite sets `fp32`, so tests that compare exact numbers agree on every machine.
+A run may fix what `auto` resolves to without looking at the hardware (`fp32` or `bf16-mixed`): its
+`RunOptions.auto_precision` (ALIGNFLOW_AUTO_PRECISION, read where the run starts), passed down as `auto`. The
+test suite sets `fp32`, so tests that compare exact numbers agree on every machine.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -26,7 +26,6 @@ from typing import NamedTuple
 import torch
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
-AUTO_ENV = "ALIGNFLOW_AUTO_PRECISION"
 MIN_GAIN = 0.10  # bf16-mixed on a CPU when its probe step is at least 10% faster than fp32's
 PROBE_MAX_PARAMS = 200_000_000
 PROBE_ROWS, PROBE_LENGTH = 32, 64  # at most; the stage's micro_batch_size and max_length when smaller
@@ -62,16 +61,16 @@ def autocast(precision: str, device: torch.device | str):
     return nullcontext()
 
 
-def resolve(settings, model: torch.nn.Module) -> Resolved:
-    """`settings.precision` for `model`; anything but `auto` passes through unchanged."""
+def resolve(settings, model: torch.nn.Module, auto: str | None = None) -> Resolved:
+    """`settings.precision` for `model`; anything but `auto` passes through unchanged, and `auto` becomes `auto`
+    (the run's `auto_precision`: fp32 or bf16-mixed) where given, else what the hardware and the probe say."""
     wanted = settings.precision
     if wanted != "auto":
         return Resolved(wanted, None, "set")
-    forced = os.environ.get(AUTO_ENV)
-    if forced:
-        if forced not in ("fp32", "bf16-mixed"):
-            raise ValueError(f"{AUTO_ENV}={forced!r}: expected fp32 or bf16-mixed")
-        return Resolved(forced, None, f"auto, {AUTO_ENV}={forced}")
+    if auto:
+        if auto not in ("fp32", "bf16-mixed"):
+            raise ValueError(f"auto precision {auto!r}: expected fp32 or bf16-mixed")
+        return Resolved(auto, None, f"auto, the run's auto_precision={auto}")
     if torch.cuda.is_available():
         if torch.cuda.is_bf16_supported():
             return Resolved("bf16-mixed", None, "auto: the GPU has bf16")

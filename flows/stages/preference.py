@@ -236,7 +236,7 @@ def run_preference(ctx: StageContext) -> StageResult:
 
     steps = total_steps(len(train), s)
     torch.manual_seed(ctx.seed)
-    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
+    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent, auto_precision=ctx.options.auto_precision)
     caches = {}
     if algo.requires_reference:
         reference = engine.match(frozen(reference, s)) if reference is not None else AdaptersOff(engine.module)

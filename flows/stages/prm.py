@@ -59,7 +59,7 @@ def run_prm(ctx: StageContext) -> StageResult:
 
     steps = total_steps(len(train), s)
     torch.manual_seed(ctx.seed)
-    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent)
+    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent, auto_precision=ctx.options.auto_precision)
     feed = step_feed(engine, tokenizer.pad_token_id)
     last = train_loop(ctx, engine, algo, train, feed)
     held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size)

@@ -61,7 +61,8 @@ def test_combinations_deepspeed_cannot_run_are_refused_naming_stage_and_field(se
 
 def train(steps: int = 3, **settings) -> tuple[dict, Engine]:
     model = worker.tiny_model()
-    engine = Engine.create(model, TrainSettings(batch_size=8, micro_batch_size=4, lr=1e-2, **settings), steps)
+    engine = Engine.create(model, TrainSettings(batch_size=8, micro_batch_size=4, lr=1e-2, **settings), steps,
+                           auto_precision="fp32")
     ids, mask = worker.dataset(8)
     for _ in engine.steps():
         norm = engine.step_norm([mask[:4], mask[4:]])

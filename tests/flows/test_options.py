@@ -11,7 +11,7 @@ import yaml
 from alignflow.core.errors import SpecError
 from alignflow.core.task.arithmetic import write_datasets
 from alignflow.flows import cli
-from alignflow.flows.options import LEASE_ENV, LOCK_ENV, NPROC_ENV, Nodes, RunOptions
+from alignflow.flows.options import AUTO_PRECISION_ENV, LEASE_ENV, LOCK_ENV, NPROC_ENV, Nodes, RunOptions
 
 
 def test_flags_override_the_variables_and_errors_name_what_was_given():
@@ -28,6 +28,14 @@ def test_flags_override_the_variables_and_errors_name_what_was_given():
         RunOptions.from_env({LEASE_ENV: "-1"})
     with pytest.raises(SpecError, match="ALIGNFLOW_ARTIFACT_LOCK='off': expected 'lease' or 'none'"):
         RunOptions.from_env({LOCK_ENV: "off"})
+
+
+def test_auto_precision_is_read_once_and_travels_in_a_childs_payload():
+    options = RunOptions.from_env({AUTO_PRECISION_ENV: "bf16-mixed"})
+    assert options.auto_precision == "bf16-mixed" and RunOptions.from_env({}).auto_precision is None
+    assert RunOptions.from_dict(options.as_dict()).auto_precision == "bf16-mixed"  # what a stage's ranks get
+    with pytest.raises(SpecError, match="ALIGNFLOW_AUTO_PRECISION='bf16': expected fp32 or bf16-mixed"):
+        RunOptions.from_env({AUTO_PRECISION_ENV: "bf16"})
 
 
 @pytest.mark.system  # starts two ranks

@@ -3,12 +3,15 @@
 
 import json
 import math
+import os
+from dataclasses import replace
 
 import pytest
 
 from alignflow.core.spec.schema import StageSpec, parse_spec
 from alignflow.core.spec.settings import RLSettings, TrainSettings
 from alignflow.core.task.arithmetic import write_datasets
+from alignflow.flows.options import AUTO_PRECISION_ENV, RunOptions
 from alignflow.flows.stages import StageContext
 from alignflow.flows.stages.preference import run_preference
 from alignflow.flows.stages.rl.stage import run_rl
@@ -45,6 +48,18 @@ def test_sft_in_bf16_mixed_learns_and_records_its_precision(tmp_path, data):
     assert losses[-1] < 0.75 * math.log(264) < losses[0]  # from about uniform over the vocabulary
     assert result.fingerprint == {"precision": "bf16-mixed", "precision_setting": "bf16-mixed",
                                   "precision_probe_s": None}
+
+
+def test_auto_trains_in_the_runs_auto_precision_whatever_the_environment_says(tmp_path, data):
+    """The suite's environment says fp32 (conftest.py); the run's options, as its ranks get them, say bf16-mixed."""
+    spec = parse_spec({"name": "s", "stages": {"sft": {
+        "kind": "sft", "inputs": {"model": "builtin:tiny", "dataset": str(data["sft"])}, "algorithm": "sft",
+        "settings": {**MIXED, "precision": "auto", "max_steps": 1, "batch_size": 4, "micro_batch_size": 4}}}})
+    ctx = replace(stage_context(tmp_path, spec, settings_model=TrainSettings),
+                  options=RunOptions(auto_precision="bf16-mixed"))
+    assert os.environ[AUTO_PRECISION_ENV] == "fp32"
+    assert run_sft(ctx).fingerprint == {"precision": "bf16-mixed", "precision_setting": "auto",
+                                        "precision_probe_s": None}
 
 
 def test_dpo_in_bf16_mixed_starts_at_margin_zero(tmp_path, data, tiny_model):

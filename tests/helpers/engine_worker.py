@@ -102,7 +102,7 @@ def run(out: Path, steps: int = 6, zero: int = 0, micro: int = 4, kill_after: in
         lr=1e-2, lr_scheduler="cosine", warmup_ratio=0.2, weight_decay=0.1, batch_size=8,
         micro_batch_size=micro, grad_clip=1.0, zero_stage=zero, save_every=2,
     )
-    engine = Engine.create(tiny_model(), settings, total_steps=steps, out_dir=out)
+    engine = Engine.create(tiny_model(), settings, total_steps=steps, out_dir=out, auto_precision="fp32")
     seen = grad_capture(engine) if grads else {}
     ids, mask = dataset()
     pos = engine.data_state or {"epoch": 0, "index": 0}

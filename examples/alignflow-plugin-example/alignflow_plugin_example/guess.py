@@ -4,8 +4,7 @@ import random
 
 from pydantic import Field
 
-from alignflow.core import PluginConfig
-from alignflow.core.environments import Environment, Step, Turn
+from alignflow.core import Environment, PluginConfig, Step, Turn
 
 
 class Guess(Environment):

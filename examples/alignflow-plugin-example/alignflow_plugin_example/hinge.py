@@ -3,8 +3,7 @@
 import torch
 from pydantic import Field
 
-from alignflow.core import PluginConfig
-from alignflow.core.train.offline import PairBatch, PreferenceAlgorithm
+from alignflow.core import PairBatch, PluginConfig, PreferenceAlgorithm
 
 
 class Hinge(PreferenceAlgorithm):

@@ -2,8 +2,7 @@
 
 from typing import ClassVar
 
-from alignflow.core.rl.aggregation import AggMode
-from alignflow.core.rl.algorithm import PolicyGradient, PolicyGradientConfig, Rollout, broadcast
+from alignflow.core import AggMode, PolicyGradient, PolicyGradientConfig, Rollout, broadcast
 
 
 class ReinforceConfig(PolicyGradientConfig):

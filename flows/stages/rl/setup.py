@@ -78,7 +78,8 @@ def engines(ctx: StageContext, model, critic, total: int, updates: int):
     # The engine counts optimizer steps: `updates` per rollout, checkpoints on rollout boundaries.
     train = engine_settings(s).model_copy(update={"save_every": s.save_every * updates})
     torch.manual_seed(seeds.init(ctx.seed))
-    engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent)
+    engine = Engine.create(model, train, total * updates, ctx.checkpoint_dir.parent,
+                           auto_precision=ctx.options.auto_precision)
     if critic is not None:
         # the policy's resolved precision: both run in one autocast (rl/update.py's micro_step)
         critic_settings = train.model_copy(update={"lr": s.critic_lr or s.lr, "precision": engine.precision})

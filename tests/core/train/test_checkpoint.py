@@ -29,7 +29,8 @@ def train(out, steps: int, total: int = 6, resume=True, after_step=None, **setti
     """A few steps of a tiny model with a fixed data order, saving every 2 steps; `after_step(step)` after each."""
     torch.manual_seed(0)
     settings = TrainSettings(batch_size=4, micro_batch_size=4, lr=1e-2, save_every=2, **settings)
-    engine = Engine.create(worker.tiny_model(), settings, total_steps=total, out_dir=out, resume=resume)
+    engine = Engine.create(worker.tiny_model(), settings, total_steps=total, out_dir=out, resume=resume,
+                           auto_precision="fp32")
     ids, mask = worker.dataset(4 * total)
     for step in engine.steps():
         if step >= steps:

@@ -86,7 +86,7 @@ def test_accumulated_gradient_equals_big_batch(mode):
     big.backward()
 
     settings = TrainSettings(batch_size=16, micro_batch_size=4, grad_clip=0.0, lr=1e-3)
-    engine = Engine.create(model, settings, total_steps=1)
+    engine = Engine.create(model, settings, total_steps=1, auto_precision="fp32")
     assert engine.grad_accum == 4
     seen = worker.grad_capture(engine)
     micros = torch.arange(16).split(4)
@@ -108,7 +108,7 @@ def test_step_reports_lr_and_grad_norm_and_clips():
     model = torch.nn.Linear(4, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.5, lr_scheduler="linear", grad_clip=1.0)
-    engine = Engine.create(model, settings, total_steps=2)
+    engine = Engine.create(model, settings, total_steps=2, auto_precision="fp32")
     x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]], device=engine.device)
     engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4): norm 5, clipped to 1
     metrics = engine.step()
@@ -123,7 +123,7 @@ def test_sgd_takes_the_plain_gradient_step(zero):
     torch.nn.init.zeros_(model.weight)
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=0.1, lr_scheduler="constant",
                              optimizer="sgd", grad_clip=10.0, zero_stage=zero)
-    engine = Engine.create(model, settings, total_steps=1)
+    engine = Engine.create(model, settings, total_steps=1, auto_precision="fp32")
     x = torch.tensor([[3.0, 0, 0, 4], [3.0, 0, 0, 4]], device=engine.device)
     engine.backward(engine.model(x).sum() / 2)  # gradient (3, 0, 0, 4)
     engine.step()
@@ -133,7 +133,7 @@ def test_sgd_takes_the_plain_gradient_step(zero):
 @pytest.mark.parametrize("zero", [0, 2])
 def test_step_without_backward_only_advances_the_schedule(zero):
     settings = TrainSettings(batch_size=2, micro_batch_size=2, lr=1.0, lr_scheduler="linear", zero_stage=zero)
-    engine = Engine.create(torch.nn.Linear(4, 2), settings, total_steps=4)
+    engine = Engine.create(torch.nn.Linear(4, 2), settings, total_steps=4, auto_precision="fp32")
     before = engine.full_state_dict()
     assert engine.step() == {"lr": 1.0, "grad_norm": 0.0}
     assert all(torch.equal(w, before[k]) for k, w in engine.full_state_dict().items())
@@ -142,7 +142,8 @@ def test_step_without_backward_only_advances_the_schedule(zero):
 
 
 def test_steps_insists_on_one_optimizer_step_each():
-    engine = Engine.create(torch.nn.Linear(2, 2), TrainSettings(batch_size=1, micro_batch_size=1), 3)
+    engine = Engine.create(torch.nn.Linear(2, 2), TrainSettings(batch_size=1, micro_batch_size=1), 3,
+                           auto_precision="fp32")
     with pytest.raises(AlignflowError, match="exactly once"):
         for _ in engine.steps():
             pass

@@ -12,6 +12,7 @@ from alignflow.core.spec.settings import RLSettings, TrainSettings
 from alignflow.core.train import precision
 from alignflow.core.train.engine import Engine, frozen
 from alignflow.core.train.models import load_model
+from alignflow.flows.options import AUTO_PRECISION_ENV, RunOptions
 
 CONFTEST = Path(__file__).resolve().parents[2] / "conftest.py"
 
@@ -32,10 +33,24 @@ def test_dtype_and_precision_that_disagree_are_refused_by_name():
         TrainSettings(dtype="fp16")
 
 
-def test_the_suite_makes_auto_fp32_under_the_modules_variable():
-    assert f'AUTO_PRECISION_ENV = "{precision.AUTO_ENV}"' in CONFTEST.read_text()
-    assert precision.resolve(TrainSettings(), torch.nn.Linear(2, 2)) == ("fp32", None, "auto, "
-                                                                         f"{precision.AUTO_ENV}=fp32")
+def test_the_suite_makes_auto_fp32_under_the_options_variable():
+    assert f'AUTO_PRECISION_ENV = "{AUTO_PRECISION_ENV}"' in CONFTEST.read_text()
+    assert RunOptions.from_env().auto_precision == "fp32"
+    assert precision.resolve(TrainSettings(), torch.nn.Linear(2, 2), "fp32") == (
+        "fp32", None, "auto, the run's auto_precision=fp32")
+
+
+@pytest.mark.precision_auto
+def test_the_runs_value_decides_auto_not_the_environment_at_stage_time(cpu, monkeypatch):
+    cpu(False)
+    monkeypatch.setattr(precision, "probe", None)
+    monkeypatch.setenv(AUTO_PRECISION_ENV, "bf16-mixed")
+    linear = torch.nn.Linear(2, 2)
+    assert precision.resolve(TrainSettings(), linear).precision == "fp32"  # the hardware's answer
+    monkeypatch.setenv(AUTO_PRECISION_ENV, "fp32")
+    assert precision.resolve(TrainSettings(), linear, "bf16-mixed").precision == "bf16-mixed"
+    with pytest.raises(ValueError, match="'bf16': expected fp32 or bf16-mixed"):
+        precision.resolve(TrainSettings(), linear, "bf16")
 
 
 @pytest.mark.parametrize("value", ["fp32", "bf16-mixed", "bf16"])
@@ -127,7 +142,8 @@ def test_engine_autocast_and_deepspeed_follow_the_precision(value, weights, out,
 
 
 def test_auto_is_recorded_resolved_beside_the_setting():
-    engine = Engine.create(torch.nn.Linear(4, 2), TrainSettings(batch_size=1, micro_batch_size=1), 1)
+    engine = Engine.create(torch.nn.Linear(4, 2), TrainSettings(batch_size=1, micro_batch_size=1), 1,
+                           auto_precision="fp32")
     assert engine.fingerprint() == {"precision": "fp32", "precision_setting": "auto", "precision_probe_s": None}
     assert fp.fingerprint(TrainSettings())["precision"] is None  # before the run: not resolved yet
     assert fp.fingerprint(TrainSettings(precision="bf16"))["precision"] == "bf16"

@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from alignflow.core.train.engine import free_port
 from alignflow.core.errors import SpecError
 from alignflow.core.task.arithmetic import write_datasets
-from alignflow.flows import cli
-from alignflow.flows.cli import build_parser, cmd_run
+from alignflow.flows import cli_run
+from alignflow.flows.cli import build_parser
+from alignflow.flows.cli_run import cmd_run
 from alignflow.flows.launch.nodes import LAUNCHER_VARS
 from alignflow.flows.options import (NNODES_ENV, NODE_RANK_ENV, NPROC_ENV, RDZV_ENDPOINT_ENV, Nodes, RunOptions,
                                      parse_nodes)
@@ -185,13 +186,13 @@ def test_deepspeeds_launcher_variables_map_onto_nodes(monkeypatch):
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     args = build_parser().parse_args(["--local_rank=0", "run", "x.yaml"])
-    assert cli._from_deepspeed_launcher(args)
+    assert cli_run._from_deepspeed_launcher(args)
     assert (args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint) == (4, "2", "1", "10.0.0.1:29500")
     assert not any(var in os.environ for var in LAUNCHER_VARS)  # the stages' ranks get theirs from torch
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert not cli._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml"]))  # it exits
+    assert not cli_run._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml"]))  # it exits
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SpecError, match="--nproc: started by DeepSpeed's launcher"):
-        cli._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml", "--nproc", "2"]))
+        cli_run._from_deepspeed_launcher(build_parser().parse_args(["run", "x.yaml", "--nproc", "2"]))
