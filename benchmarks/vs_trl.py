@@ -1,7 +1,7 @@
 """The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS, GFLOP/s.
 
     python benchmarks/vs_trl.py --trl-python ../venv-trl/bin/python [--size tiny|8m] [--model PATH]
-        [--sft-steps 1000] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N] [--overlap] [--out F.json]
+        [--sft-steps 1000] [--model-cache DIR] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N] [--overlap] [--out F.json]
         [--precision auto|fp32|bf16-mixed|bf16] [--trl-precision fp32|bf16 | --trl-best]
 
 TRL lives in an environment of its own, next to alignflow (its trainer needs `accelerate` and `datasets`):
@@ -16,7 +16,9 @@ the `math_accuracy` reward, the same checkpoint and the same prompts in the same
 the rows the `rl` stage draws, unshuffled), `--threads` torch threads per process.
 
 The model: `--model PATH`, or a `--size` built here from seed 0 and given `--sft-steps` of the `sft` stage
-on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end as a trained model's do.
+on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end as a trained model's do;
+`--model-cache DIR` keeps it in DIR/SIZE-STEPS for the next run. The JSON keeps the command and the numerics
+epoch (a record the results pages can quote).
 `--overlap` runs the stage with `overlap_rollouts` (its rollout worker takes `--threads` more threads:
 compare against `--trl-threads` of the two together for the same cores).
 Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process `--warmup` steps
@@ -34,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -160,9 +163,22 @@ def child(args) -> None:
 
 
 def prepare_model(args, tmp: Path) -> Path:
-    """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage."""
+    """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage: kept in (and taken
+    from) `--model-cache`/SIZE-STEPS when that is given, so a second run skips the SFT (a function of the seed)."""
     if args.model:
         return Path(args.model)
+    cached = Path(args.model_cache) / f"{args.size}-{args.sft_steps}" if args.model_cache else None
+    if cached is not None and (cached / "config.json").is_file():
+        return cached
+    model = _sft_model(args, tmp)
+    if cached is None:
+        return model
+    shutil.copytree(model, cached.with_suffix(".partial"), dirs_exist_ok=True)
+    cached.with_suffix(".partial").rename(cached)
+    return cached
+
+
+def _sft_model(args, tmp: Path) -> Path:
     from alignflow.core.train.models import build_tiny
 
     base = build_tiny(tmp / "base", seed=0, **SIZES[args.size])
@@ -235,6 +251,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--model", help="a checkpoint to use instead of building one")
     parser.add_argument("--sft-steps", type=int, default=1000)
+    parser.add_argument("--model-cache", help="keep the --size model after its SFT here, and reuse it next time")
     parser.add_argument("--dataset", default="data/rl.jsonl")
     parser.add_argument("--sampler", default="hf")
     parser.add_argument("--pairs", type=int, default=5)
@@ -296,7 +313,10 @@ def measure(args, tmp: Path) -> dict:
         del runs[f"trl_{args.trl_precision}"]
     ratios = [rate(a, args.warmup) / rate(b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
     info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+    from alignflow.core.fingerprint import NUMERICS
+
     return {"headline": headline(info, args, runs["alignflow"][0]["precision"], chosen), "machine": info,
+            "numerics": NUMERICS, "command": " ".join(["python", "benchmarks/vs_trl.py", *sys.argv[1:]]),
             "config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
                        "parameters": sum(p.numel() for p in load_model(model).parameters()), "dims": d,
                        "sampler": args.sampler, "threads": args.threads, "overlap_rollouts": args.overlap,

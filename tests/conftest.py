@@ -27,15 +27,18 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from helpers.tiers import default_tier, tiers_of  # noqa: E402
-from helpers.workers import group_by_module  # noqa: E402
+from helpers.workers import group_by_module, name_groups  # noqa: E402
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(wrapper=True)  # around pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
     for item in items:
         group_by_module(item)  # under `-n N --dist loadgroup`: a module's shared fixtures are built once
-        if tiers_of(item):
-            continue
-        item.add_marker(default_tier(item))
+        if not tiers_of(item):
+            item.add_marker(default_tier(item))
+    yield
+    if getattr(config.option, "loadgroup", False):  # a worker of `--dist loadgroup`
+        name_groups(items)
 
 
 # what libraries run to inspect the machine (DeepSpeed asks numactl for the NUMA layout, MLflow asks git for the

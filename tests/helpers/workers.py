@@ -23,3 +23,18 @@ def group_by_module(item) -> None:
     """Put a test that shares its module's fixtures in its module's group (a test's own group mark wins)."""
     if not item.get_closest_marker("xdist_group") and shares_own_fixture(item):
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def name_groups(items) -> None:
+    """Under `--dist loadgroup`, after pytest-xdist's own collection hook: give each grouped test the id
+    `nodeid@group` the scheduler reads. xdist 3.8 writes it into `item._nodeid`, which pytest 9 no longer reads
+    (its ids are structured), so without this every group is ignored and each worker builds a module's fixtures
+    again (pytest-dev/pytest-xdist#1386); on a pytest that still reads `_nodeid` the id already ends so."""
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)  # keeps the string it parsed as the node's id
