@@ -1,5 +1,6 @@
 """Both a wheel and an editable install expose alignflow.core, .flows (with its stage runners) and .plugins."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -21,8 +22,13 @@ def test_editable_install_maps_the_source_folders():
 
 
 def test_wheel_contains_the_three_packages_and_entry_points(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path), str(ROOT)], check=True)
+    tree = os.open(ROOT, os.O_RDONLY)  # pip builds in the tree: one build or editable install at a time, as
+    try:  # .ci/run's `flock .` holds it while it installs the tree into another environment beside the tests
+        fcntl.flock(tree, fcntl.LOCK_EX)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path), str(ROOT)], check=True)
+    finally:
+        os.close(tree)
     wheel = next(tmp_path.glob("alignflow-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for module in ["alignflow/core/plugins.py", "alignflow/flows/cli.py", "alignflow/flows/stages/rl/stage.py",

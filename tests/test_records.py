@@ -1,6 +1,7 @@
 """A figure a page quotes from a committed record is held by that record: `<!-- record: PATH -->` on a page
 vouches for the rest of its paragraph, or, ending one, for the next paragraph or table; every decimal number there
-must equal, at the precision the page gives it, some number in the record (metrics/*.json)."""
+must equal, at the precision the page gives it, some number in the record (metrics/*.json). Markers side by side
+(a table of several runs) vouch together: each figure must be in one of their records."""
 
 import json
 import re
@@ -18,16 +19,22 @@ DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")  # 0.738, not 2.13.0, a com
 
 
 def vouched(text: str, stale: bool = False) -> list[tuple]:
-    """(record path, the text it vouches for) for each marker of a page; with `stale`, also whether the marker
-    says `stale` and the paragraph it stands in."""
-    found = []
+    """(record path, the text it vouches for) for each marker of a page, the paths of markers side by side joined
+    by `+`; with `stale`, for each marker alone, also whether it says `stale` and the paragraph it stands in."""
+    found, joined = [], []
     for m in MARKER.finditer(text):
         rest = text[m.end():]
         own = rest.split("\n\n", 1)[0]
         if not own.strip():  # the marker ends its paragraph: the next one (a table, usually)
             own = rest.lstrip("\n").split("\n\n", 1)[0]
         paragraph = text[:m.start()].rsplit("\n\n", 1)[-1] + rest.split("\n\n", 1)[0]
-        found.append((m.group(1), own, bool(m.group(2)), paragraph) if stale else (m.group(1), own))
+        if stale:
+            found.append((m.group(1), own, bool(m.group(2)), paragraph))
+        elif MARKER.match(rest.lstrip()):  # another marker follows: they vouch together for what follows it
+            joined.append(m.group(1))
+        else:
+            found.append(("+".join([*joined, m.group(1)]), own))
+            joined = []
     return found
 
 
@@ -51,9 +58,10 @@ MARKED = [(page, path, text) for page in PAGES for path, text in vouched(page.re
 
 @pytest.mark.parametrize("page,record,text", MARKED, ids=[f"{p.name}:{r}" for p, r, _ in MARKED])
 def test_every_figure_a_record_vouches_for_is_in_it(page, record, text):
-    path = ROOT / record
-    assert path.is_file(), f"{page.name}: <!-- record: {record} --> names no committed file"
-    values = numbers(json.loads(path.read_text()))
+    values = []
+    for one in record.split("+"):
+        assert (ROOT / one).is_file(), f"{page.name}: <!-- record: {one} --> names no committed file"
+        values += numbers(json.loads((ROOT / one).read_text()))
     figures = DECIMAL.findall(text)
     assert figures, f"{page.name}: <!-- record: {record} --> vouches for no figure"
     missing = [f for f in figures if not held(f, values)]
@@ -90,3 +98,9 @@ def test_a_figure_no_record_holds_is_caught():
     assert block == "| a | 0.738 |\n| b | 0.7 |" and DECIMAL.findall(block) == ["0.738", "0.7"]
     assert held("0.738", [0.738]) and held("0.77", [0.7733333333333333]) and held("0.7", [0.6833])
     assert not held("0.684", [0.6833333333333335]) and not held("0.75", [0.738])
+
+
+def test_markers_side_by_side_vouch_together_for_what_follows():
+    text = "Runs: <!-- record: a.json --> <!-- record: b.json -->\n\n| x | 1.5 | 2.5 |\n\nafter <!-- record: c.json --> 3.5"
+    assert vouched(text) == [("a.json+b.json", "| x | 1.5 | 2.5 |"), ("c.json", " 3.5")]
+    assert [path for path, *_ in vouched(text, stale=True)] == ["a.json", "b.json", "c.json"]
