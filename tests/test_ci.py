@@ -9,9 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     readme = (ROOT / "README.md").read_text()
-    command, = [line.split(" || ")[0] for line in ci if line.startswith("python -m pytest")]
+    command = ci[-1].strip()
+    assert command.startswith("python -m pytest")
     assert f"```bash\n{command}\n```" in readme
-    assert ci[-1] == 'exit "$code"' and f"{command} || code=$?" in ci  # its failure is CI's
     assert "pip install --quiet torch==2.13.0" in "\n".join(ci)
 
 
