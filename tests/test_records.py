@@ -15,7 +15,7 @@ from alignflow.core.fingerprint import NUMERICS
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!--\s*record:\s*(\S+)(\s+stale)?\s*-->")
-DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?![\w.])")  # 0.738, not 2.13.0, a commit or a file name
+DECIMAL = re.compile(r"(?<![\w.])\d+\.\d+(?=x\b|(?![\w.]))")  # 0.738 and 1.71x, not 2.13.0, a commit or a file
 
 
 def vouched(text: str, stale: bool = False) -> list[tuple]:
@@ -89,11 +89,13 @@ def test_a_record_of_an_earlier_numerics_epoch_is_marked_stale_on_the_page(page,
 def test_the_readme_headlines_are_vouched_for():
     """A marker taken out would silence the check: the README's results keep theirs."""
     records = {record for page, record, _ in MARKED if page.name == "README.md"}
-    assert {"metrics/bands/r1-tiny-avx2.json", "metrics/bands/agent-tiny.json"} <= records
+    assert {"metrics/bands/r1-tiny-avx2.json", "metrics/bands/agent-tiny.json",
+            "metrics/speed/vs-trl-avx2-tiny.json"} <= records
 
 
 def test_a_figure_no_record_holds_is_caught():
     text = "A table:<!-- record: x -->\n\n| a | 0.738 |\n| b | 0.7 |\n\nnot this 0.5\n"
+    assert DECIMAL.findall("1.71x TRL's, torch 2.13.0, `8ed44e3`, r1-tiny-avx2.json, 0.5") == ["1.71", "0.5"]
     (record, block), = vouched(text)
     assert block == "| a | 0.738 |\n| b | 0.7 |" and DECIMAL.findall(block) == ["0.738", "0.7"]
     assert held("0.738", [0.738]) and held("0.77", [0.7733333333333333]) and held("0.7", [0.6833])
