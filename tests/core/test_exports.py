@@ -12,7 +12,8 @@ import alignflow.core as core
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [*sorted((ROOT / "docs/guides/plugins").glob("*.md")), ROOT / "docs/concepts/contracts.md",
          ROOT / "docs/guides/environments.md", ROOT / "docs/guides/served-environments.md"]
-EXAMPLES = sorted((ROOT / "examples").rglob("*.py"))
+EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.py")  # not a copy a package build left behind
+                  if not {"build", "dist"} & set(p.relative_to(ROOT).parts))
 
 
 def imports_from_core(source: str, where: str) -> list[tuple[str, str, str]]:
