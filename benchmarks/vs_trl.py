@@ -1,13 +1,10 @@
 """The `rl` stage against TRL's GRPOTrainer on the same work: completions/s, tokens/s, time split, peak RSS, GFLOP/s.
 
     python benchmarks/vs_trl.py --trl-python ../venv-trl/bin/python [--size tiny|8m] [--model PATH]
-        [--sft-steps 1000] [--model-cache DIR] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N] [--overlap] [--out F.json]
-        [--precision auto|fp32|bf16-mixed|bf16] [--trl-precision fp32|bf16 | --trl-best]
+        [--sft-steps 1000] [--model-cache DIR] [--pairs 5] [--steps 2] [--threads 1] [--trl-threads N]
+        [--overlap] [--out F.json] [--precision auto|fp32|bf16-mixed|bf16] [--trl-precision fp32|bf16 | --trl-best]
 
-TRL lives in an environment of its own, next to alignflow (its trainer needs `accelerate` and `datasets`):
-
-    python -m venv ../venv-trl && ../venv-trl/bin/pip install torch==2.13.0
-    ../venv-trl/bin/pip install -e . trl
+TRL lives in an environment of its own, next to alignflow (benchmarks/README.md, "vs_trl.py", builds it).
 
 The work, on both sides: GRPO without a KL term (TRL: `beta=0`, `loss_type="grpo"`, the same per-response
 then per-batch mean as the `grpo` algorithm), 16 prompts x 8 completions per step, at most 48 new tokens
@@ -16,9 +13,7 @@ the `math_accuracy` reward, the same checkpoint and the same prompts in the same
 the rows the `rl` stage draws, unshuffled), `--threads` torch threads per process.
 
 The model: `--model PATH`, or a `--size` built here from seed 0 and given `--sft-steps` of the `sft` stage
-on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end as a trained model's do;
-`--model-cache DIR` keeps it in DIR/SIZE-STEPS for the next run. The JSON keeps the command and the numerics
-epoch (a record the results pages can quote).
+on data/sft_noisy.jsonl (1000: r1-tiny's cold start exactly), so completions end as a trained model's do.
 `--overlap` runs the stage with `overlap_rollouts` (its rollout worker takes `--threads` more threads:
 compare against `--trl-threads` of the two together for the same cores).
 Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), each process `--warmup` steps
@@ -27,7 +22,8 @@ Each side runs in a process of its own, alternating A/B/A/B (`--pairs` pairs), e
 process of each side's threads before the pairs, and each side's `gflops_per_s` / `share_of_bound` the model
 FLOPs of the work over the phase's time (benchmarks/machine.py). `--trl-best` runs TRL in fp32 and in bf16 in
 every pair (their order alternating) and compares each pair against the faster of the two.
-The first line printed (stderr) and the JSON's `headline` name the CPU kind and both sides' precision.
+The first line printed (stderr) and the JSON's `headline` name the CPU kind and both sides' precision; the JSON
+also keeps the command and the numerics epoch (a record the results pages can quote).
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ import time
 from pathlib import Path
 from typing import get_args
 
+from alignflow.core.fingerprint import NUMERICS
 from alignflow.core.spec.settings import TrainSettings
 from machine import achieved, cpu_kind, dims, machine, measure_bound
 
@@ -163,18 +160,14 @@ def child(args) -> None:
 
 
 def prepare_model(args, tmp: Path) -> Path:
-    """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage: kept in (and taken
-    from) `--model-cache`/SIZE-STEPS when that is given, so a second run skips the SFT (a function of the seed)."""
-    if args.model:
-        return Path(args.model)
-    cached = Path(args.model_cache) / f"{args.size}-{args.sft_steps}" if args.model_cache else None
-    if cached is not None and (cached / "config.json").is_file():
-        return cached
-    model = _sft_model(args, tmp)
-    if cached is None:
-        return model
-    shutil.copytree(model, cached.with_suffix(".partial"), dirs_exist_ok=True)
-    cached.with_suffix(".partial").rename(cached)
+    """`--model`, or a `--size` model from seed 0 after `--sft-steps` of the `sft` stage (kept in, and taken from,
+    `--model-cache`/SIZE-STEPS: the SFT is a function of the seed)."""
+    if args.model or not args.model_cache:
+        return Path(args.model) if args.model else _sft_model(args, tmp)
+    cached = Path(args.model_cache) / f"{args.size}-{args.sft_steps}"
+    if not (cached / "config.json").is_file():
+        shutil.copytree(_sft_model(args, tmp), cached.with_suffix(".partial"), dirs_exist_ok=True)
+        cached.with_suffix(".partial").rename(cached)
     return cached
 
 
@@ -313,8 +306,6 @@ def measure(args, tmp: Path) -> dict:
         del runs[f"trl_{args.trl_precision}"]
     ratios = [rate(a, args.warmup) / rate(b, args.warmup) for a, b in zip(runs["alignflow"], runs["trl"])]
     info["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
-    from alignflow.core.fingerprint import NUMERICS
-
     return {"headline": headline(info, args, runs["alignflow"][0]["precision"], chosen), "machine": info,
             "numerics": NUMERICS, "command": " ".join(["python", "benchmarks/vs_trl.py", *sys.argv[1:]]),
             "config": {"model": str(args.model or args.size), "sft_steps": 0 if args.model else args.sft_steps,
