@@ -26,6 +26,13 @@ def test_ci_runs_the_vllm_tests_as_the_readme_says():
         assert step in steps and step.replace("--quiet ", "") in readme, step
 
 
+def test_the_modules_that_need_vllm_carry_its_marker():
+    """`-m vllm` collects only modules whose text says `pytest.mark.vllm` (tests/conftest.py)."""
+    needing = [p for p in (ROOT / "tests").rglob("test_*.py") if 'importorskip("vllm"' in p.read_text()]
+    assert len(needing) >= 6  # this module names it too
+    assert [p.name for p in needing if "pytest.mark.vllm" not in p.read_text()] == []
+
+
 def test_test_modules_have_unique_basenames():
     """pytest's default import mode cannot collect two test modules of the same basename."""
     names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
