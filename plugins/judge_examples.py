@@ -5,8 +5,6 @@ from __future__ import annotations
 import random
 import string
 
-from pydantic import Field
-
 from alignflow.core import PluginConfig, Selector, hookimpl
 
 

@@ -12,6 +12,7 @@ ids and log-probs of every call, merged per episode while the calls extend each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -108,10 +109,9 @@ class _Call:
         def put(f=self.future):
             if not f.done():
                 (f.set_exception if isinstance(value, BaseException) else f.set_result)(value)
-        try:
+        # the episodes are over and their loop is closed: nobody waits for this answer
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(put)
-        except RuntimeError:  # the episodes are over and their loop is closed: nobody waits for this answer
-            pass
 
 
 class DrivenEpisodes:

@@ -27,6 +27,7 @@ forge a setup failure (exit status and output are its own and never read as the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import marshal
@@ -344,10 +345,8 @@ class Sandbox:
 
     def _release(self) -> None:
         for fd in (self._to_child, self._from_child):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._to_child = self._from_child = -1
         self._out.close()
         self._err.close()
@@ -371,10 +370,8 @@ def _ready(fd: int, event: int, seconds: float) -> bool:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already empty
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already empty
 
 
 RUN_SCRIPT = """

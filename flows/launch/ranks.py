@@ -10,6 +10,7 @@ ranks. The error raised names the rank that failed first in cause: a rank that o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -123,10 +124,8 @@ class _Gather:
 
     def stop_ranks(self) -> None:
         for pid in self.pids.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def _publish(self, rank: int, what: str, lost_peers: bool) -> None:
         if self.board is not None:

@@ -222,10 +222,8 @@ def stop_processes(pids: list[int], grace: float = GRACE_S) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p, start in started.items():
             if start is not None and process_start(p) == start:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
         while time.monotonic() < deadline and any(process_start(p) == s for p, s in started.items() if s):
             time.sleep(0.05)
