@@ -321,11 +321,10 @@ for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
 
 def start_watchdog() -> subprocess.Popen:
     """A process that outlives this one only to stop what this one leaves running if it is killed."""
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()),
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()),
                              str(process_start(os.getpid()))],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    return proc
 
 
 def close_dead_runs(client, experiment_id: str) -> list[str]:
