@@ -31,7 +31,7 @@ class ServerError(AlignflowError):
 
 
 def free_port() -> int:
-    """A loopback port no one listens on now (the server binds it a moment later)."""
+    """A loopback port no one listens on now, for a server or a process group's rendezvous to bind a moment later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
