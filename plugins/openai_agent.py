@@ -101,7 +101,8 @@ class OpenAIAgent(AgentEnvironment):
                 out, err = await proc.communicate(text.encode())
             finally:
                 if proc.returncode is None:  # timed out or the stage is stopping: the program and its children go
-                    _kill(proc.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     await proc.wait()
         name = " ".join(self.config.command)
         if proc.returncode != 0:
@@ -150,11 +151,6 @@ def result_of(value, who: str):
                                     or not isinstance(value.get("reward"), (int, float))):
         raise RuntimeError(f"agent {who!r} returned {value!r}: its `reward` must be a number")
     return value
-
-
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 @hookimpl

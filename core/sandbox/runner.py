@@ -326,7 +326,8 @@ class Sandbox:
             return self.result
         if self.proc.poll() is None:
             self.timed_out |= self.remaining() <= 0
-            _kill_group(self.proc.pid)  # namespaces: bwrap's own death takes the pid namespace
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already empty
+                os.killpg(self.proc.pid, signal.SIGKILL)  # namespaces: bwrap's own death takes the pid namespace
         self.proc.wait()
         if self.uid is not None and self.isolation == "namespaces":
             for _ in range(500):  # the kernel is still tearing the pid namespace down: wait for it
@@ -367,11 +368,6 @@ def _ready(fd: int, event: int, seconds: float) -> bool:
     poller = select.poll()
     poller.register(fd, event)
     return bool(poller.poll(max(0, int(seconds * 1000) + 1)))
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already empty
-        os.killpg(pgid, signal.SIGKILL)
 
 
 RUN_SCRIPT = """
