@@ -249,7 +249,7 @@ class DrivenEpisodes:
         if body["tools"]:
             parsed = self.fmt.parse(text, {t["function"]["name"]: t for t in body["tools"]})
             calls = [{"id": f"call_{sample.turns}_{k}", "type": "function",
-                      "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                      for k, c in enumerate(parsed) if c.error is None]
             if calls:
                 content = self.fmt.call.sub("", text).strip() or None
@@ -375,7 +375,3 @@ async def in_own_thread(fn, *args):
 
     threading.Thread(target=run, daemon=True).start()
     return await future
-
-
-def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
