@@ -9,6 +9,7 @@ enter through their own digests, so a change reaches exactly a stage and its des
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -86,11 +87,8 @@ class HashCache:
                 return row[0]
         digest = hash_file(path)
         if conn is not None and time.time() - st.st_mtime_ns / 1e9 > self.RACY_SECONDS:
-            try:
-                with conn:
-                    conn.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
-            except sqlite3.Error:
-                pass
+            with contextlib.suppress(sqlite3.Error), conn:
+                conn.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
         return digest
 
     def close(self) -> None:
