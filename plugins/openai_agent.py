@@ -24,7 +24,6 @@ import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import os
 import signal
 import tempfile
@@ -35,7 +34,6 @@ from pydantic import Field, computed_field, model_validator
 from alignflow.core import hookimpl
 from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy, in_own_thread
 
-log = logging.getLogger(__name__)
 OUTPUT_LIMIT = 1 << 20  # bytes of a program's output kept: its last line is its result
 
 

@@ -25,7 +25,6 @@ from alignflow.flows.launch.nodes import connect, failures, launch_config, publi
 from alignflow.flows.options import Nodes
 from alignflow.flows.stages import StageContext, StageResult
 
-log = logging.getLogger(__name__)
 CAUSE_WAIT_S = 10.0  # after ranks here lost their peers: how long to wait for another node's report of why
 
 
