@@ -3,6 +3,7 @@ from here: the hooks, each plugin kind's contracts and their shared parts. The t
 (`_EXPORTS`), so that `import alignflow.core` stays light for the quick commands and a plugin's registration."""
 
 import importlib
+import types
 
 from alignflow.core.contracts import Algorithm, PluginConfig, RewardFn, Sampler, Selector, operational
 from alignflow.core.environments import (Environment, EpisodeError, Limits, McpServer, Message, Step, ToolCall,
@@ -25,10 +26,8 @@ _EXPORTS = {name: module for module, names in {
     "alignflow.core.sampling": "Generation",
     "alignflow.core.environments.agents": "AgentEnvironment",
 }.items() for name in names.split()}
-__all__ = [*"""Algorithm PluginConfig RewardFn Sampler Selector operational Environment EpisodeError Limits McpServer
-    Message Step ToolCall ToolError Turn call_tools python tool_schema AlignflowError DataError PluginError SpecError
-    hookimpl hookspec Plugins get_plugins reset_plugins RewardError RewardSet Scores GenerationSettings""".split(),
-           *_EXPORTS]
+# the names imported above (not the modules), and the lazy ones
+__all__ = [*(n for n, v in globals().items() if not (n.startswith("_") or isinstance(v, types.ModuleType))), *_EXPORTS]
 
 
 def __getattr__(name: str):

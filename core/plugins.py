@@ -31,25 +31,11 @@ class Plugins:
         self.origin: dict[str, tuple[str, str, str]] = {}  # plugin name -> (dist, version, entry point)
         self.registries = {kind: Registry(kind) for kind in KINDS.values()}
 
-    @property
-    def algorithms(self) -> Registry:
-        return self.registries["algorithm"]
-
-    @property
-    def rewards(self) -> Registry:
-        return self.registries["reward"]
-
-    @property
-    def samplers(self) -> Registry:
-        return self.registries["sampler"]
-
-    @property
-    def selectors(self) -> Registry:
-        return self.registries["selector"]
-
-    @property
-    def environments(self) -> Registry:
-        return self.registries["environment"]
+    algorithms = property(lambda self: self.registries["algorithm"])
+    rewards = property(lambda self: self.registries["reward"])
+    samplers = property(lambda self: self.registries["sampler"])
+    selectors = property(lambda self: self.registries["selector"])
+    environments = property(lambda self: self.registries["environment"])
 
     def add(self, plugin, name: str, distribution: str = "__main__", version: str = "0") -> None:
         """Register one plugin object (a module or class with hookimpls) and collect what it registers."""

@@ -8,6 +8,7 @@ run's descendants like any other child.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,7 +31,7 @@ class ServerError(AlignflowError):
 
 
 def free_port() -> int:
-    """A loopback port no one listens on now (the server binds it a moment later)."""
+    """A loopback port no one listens on now, for a server or a process group's rendezvous to bind a moment later."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,19 +114,15 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, output, wha
 def stop(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group, SIGKILL what is left of it after the grace period; reap the server."""
     _signal_group(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        pass
     _signal_group(proc.pid, signal.SIGKILL)  # a leader that ignored SIGTERM, or what it started and left behind
     proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the group is empty
         os.killpg(pgid, sig)  # the group outlives its leader while any process it started lives
-    except ProcessLookupError:
-        pass  # the group is empty
 
 
 def tail(output, size: int = 2000) -> str:

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "run": "alignflow.flows.api",
-    "validate": "alignflow.flows.api",
-    "RunResult": "alignflow.flows.api",
-    "RunOptions": "alignflow.flows.options",
-    "pipeline_flow": "alignflow.flows.pipeline",
-    "open_session": "alignflow.flows.plan",
-    "submit_stages": "alignflow.flows.pipeline",
-    "stage_task": "alignflow.flows.pipeline",
-    "PipelineReport": "alignflow.flows.report",
-    "StageContext": "alignflow.flows.stages",
-    "StageResult": "alignflow.flows.stages",
-    "RUNNERS": "alignflow.flows.stages.runners",
-}
+_EXPORTS = {name: module for module, names in {
+    "alignflow.flows.api": "run validate RunResult",
+    "alignflow.flows.options": "RunOptions",
+    "alignflow.flows.pipeline": "pipeline_flow submit_stages stage_task",
+    "alignflow.flows.plan": "open_session",
+    "alignflow.flows.report": "PipelineReport",
+    "alignflow.flows.stages": "StageContext StageResult",
+    "alignflow.flows.stages.runners": "RUNNERS",
+}.items() for name in names.split()}
 __all__ = sorted(_EXPORTS)
 
 

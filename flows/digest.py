@@ -9,6 +9,7 @@ enter through their own digests, so a change reaches exactly a stage and its des
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -25,6 +26,7 @@ import yaml
 
 from alignflow.core import pyast
 from alignflow.core.contracts import digest_dump
+from alignflow.core.fingerprint import distribution_version
 from alignflow.core.spec.stage import ResolvedStage, StageSpec, resolve_input  # noqa: F401  (dg.resolve_input)
 
 DIGEST_CHARS = 16  # 64 bits: ample for the artifacts of one project, short enough to read
@@ -85,11 +87,8 @@ class HashCache:
                 return row[0]
         digest = hash_file(path)
         if conn is not None and time.time() - st.st_mtime_ns / 1e9 > self.RACY_SECONDS:
-            try:
-                with conn:
-                    conn.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
-            except sqlite3.Error:
-                pass
+            with contextlib.suppress(sqlite3.Error), conn:
+                conn.execute("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", (*key, digest))
         return digest
 
     def close(self) -> None:
@@ -311,14 +310,7 @@ def libraries(obj) -> dict:
     """The versions of the other distributions a plugin declares it runs (`libraries`, e.g. a task library
     an adapter wraps): an upgrade of one reruns the stage. Nothing for a plugin that declares none."""
     names = getattr(obj, "libraries", ())
-    return {"libraries": {name: _version(name) for name in names}} if names else {}
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return {"libraries": {name: distribution_version(name) for name in names}} if names else {}
 
 
 def input_digest(value: Path | str, cache: HashCache = NO_CACHE) -> str:

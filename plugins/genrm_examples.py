@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import random
 import re
-import string
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from alignflow.core import PluginConfig, Selector, hookimpl
 from alignflow.core.task.arithmetic import extract_answer, parse, work
+from alignflow.plugins.judge import placeholders
 from alignflow.plugins.judge_examples import balanced, check_samples
 
 # The verification question of Zhang et al. 2024 ("Is the answer correct (Yes/No)?") after the problem and
@@ -22,7 +22,7 @@ _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 
 def check_template(template: str) -> str:
     """`template` when it uses {prompt} and {completion} and nothing else; a ValueError otherwise."""
-    names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    names = placeholders(template)
     if names != {"prompt", "completion"}:
         raise ValueError(f"template {template!r} must use {{prompt}} and {{completion}}, and nothing else")
     return template

@@ -16,6 +16,25 @@ TEMPLATE = (
 PLACEHOLDERS = {"prompt", "completion", "answer"}
 
 
+def placeholders(template: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+
+
+def last_score(pattern: re.Pattern, verdicts: dict[str, float] | None, text: str) -> float | None:
+    """The score of the last match of `pattern` in `text`: its group 1 looked up in `verdicts` (lower-cased), or
+    read as a number when `verdicts` is None; None if there is no match or it maps to nothing."""
+    matches = list(pattern.finditer(text))
+    if not matches:
+        return None
+    value = matches[-1].group(1).strip()
+    if verdicts is not None:
+        return verdicts.get(value.lower())
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
 class Judge:
     """LLM-as-a-judge: greedy verdict from a causal LM, parsed by a regex; unparseable gives None."""
 
@@ -33,7 +52,7 @@ class Judge:
         @field_validator("template")
         @classmethod
         def _known_placeholders(cls, v: str) -> str:
-            names = {name for _, name, _, _ in string.Formatter().parse(v) if name is not None}
+            names = placeholders(v)
             if names - PLACEHOLDERS:
                 raise ValueError(
                     f"unknown placeholders {sorted(names - PLACEHOLDERS)}; allowed: {sorted(PLACEHOLDERS)}")
@@ -63,16 +82,7 @@ class Judge:
 
     def parse(self, verdict: str) -> float | None:
         """The score of the last match of `pattern` in `verdict`; None if absent or unmapped."""
-        matches = list(self.pattern.finditer(verdict))
-        if not matches:
-            return None
-        value = matches[-1].group(1).strip()
-        if self.mapping is not None:
-            return self.mapping.get(value.lower())
-        try:
-            return float(value)
-        except ValueError:
-            return None
+        return last_score(self.pattern, self.mapping, verdict)
 
     def render(self, prompt: str, completion: str, answer: str = "") -> str:
         """The judge's input text: the template filled, in the chat format when the model has one."""

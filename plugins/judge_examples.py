@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import random
-import string
-
-from pydantic import Field
 
 from alignflow.core import PluginConfig, Selector, hookimpl
+from alignflow.plugins.judge import placeholders
 
 
 def check_samples(rows: list[dict], selector: str) -> None:
@@ -48,7 +46,7 @@ class JudgeExamples(Selector):
 
     def __call__(self, rows: list[dict], rng: random.Random) -> list[dict]:
         c = self.config
-        names = {name for _, name, _, _ in string.Formatter().parse(c.template) if name is not None}
+        names = placeholders(c.template)
         if not names or names - {"prompt", "completion"}:
             raise ValueError(f"judge_examples: template {c.template!r} must use {{prompt}} and {{completion}} only")
         check_samples(rows, "judge_examples")

@@ -18,12 +18,12 @@ batch ended in error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
-import logging
 import os
 import signal
 import tempfile
@@ -34,7 +34,6 @@ from pydantic import Field, computed_field, model_validator
 from alignflow.core import hookimpl
 from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy, in_own_thread
 
-log = logging.getLogger(__name__)
 OUTPUT_LIMIT = 1 << 20  # bytes of a program's output kept: its last line is its result
 
 
@@ -100,7 +99,8 @@ class OpenAIAgent(AgentEnvironment):
                 out, err = await proc.communicate(text.encode())
             finally:
                 if proc.returncode is None:  # timed out or the stage is stopping: the program and its children go
-                    _kill(proc.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
                     await proc.wait()
         name = " ".join(self.config.command)
         if proc.returncode != 0:
@@ -149,13 +149,6 @@ def result_of(value, who: str):
                                     or not isinstance(value.get("reward"), (int, float))):
         raise RuntimeError(f"agent {who!r} returned {value!r}: its `reward` must be a number")
     return value
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 @hookimpl

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import string
 from typing import Any
 
 from pydantic import Field, field_validator
@@ -19,16 +18,13 @@ from alignflow.core import hookimpl
 from alignflow.core.contracts import operational
 from alignflow.core.remote import Failed, Poster, RemoteOptions, http_url, lose, new_counts, report
 from alignflow.core.rewards import Scores
+from alignflow.plugins.judge import last_score, placeholders
 
 TEMPLATE = (
     "Question: {prompt}\nReference answer: {answer}\nResponse: {completion}\n"
     "Is the response correct? Reply with one word: yes or no."
 )
 BUILTIN = {"prompt", "completion"}  # the other placeholders name dataset columns
-
-
-def placeholders(template: str) -> set[str]:
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
 class OpenAIJudge:
@@ -93,16 +89,7 @@ class OpenAIJudge:
 
     def parse(self, reply: str) -> float | None:
         """The score of the last verdict (or number) in the reply; None when there is none."""
-        matches = list(self.pattern.finditer(reply))
-        if not matches:
-            return None
-        value = matches[-1].group(1).strip()
-        if self.verdicts is not None:
-            return self.verdicts.get(value.lower())
-        try:
-            return float(value)
-        except ValueError:
-            return None
+        return last_score(self.pattern, self.verdicts, reply)
 
     def render(self, prompts: list[str], completions: list[str], columns: dict[str, Any]) -> list[str]:
         """The user message of each sample; a template column missing from the batch is the pipeline's error."""

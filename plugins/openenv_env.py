@@ -20,7 +20,7 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
@@ -155,10 +155,9 @@ class OpenEnv(Environment):
         ws, self.ws = self.ws, None
         if ws is None:
             return
-        try:  # the server ends the session cleanly on `close`; one that died or hangs is past telling
+        # the server ends the session cleanly on `close`; one that died or hangs is past telling
+        with suppress(Exception):
             await asyncio.wait_for(ws.send(json.dumps({"type": "close"})), self.config.timeout_s)
-        except Exception:
-            pass
         await ws.close()
 
     async def _ask(self, message: dict, what: str) -> dict:

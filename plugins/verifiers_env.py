@@ -28,6 +28,7 @@ from pydantic import Field, computed_field, model_validator
 
 from alignflow.core import AlignflowError, hookimpl
 from alignflow.core.environments.agents import AgentConfig, AgentEnvironment, Policy
+from alignflow.core.fingerprint import distribution_version
 
 KEY_VAR = "VERIFIERS_POLICY_KEY"  # verifiers reads the model's API key from a variable; unset, it sends "EMPTY"
 _LOADED: dict[str, Any] = {}  # the loaded environments of this process, by `Config.key`
@@ -82,7 +83,8 @@ class VerifiersEnv(AgentEnvironment):
             """The version of each installed package the config names by `id` (the environment's own, a paired env,
             harness or judge in `args`; verifiers' built-in ones go with its version), so that upgrading one reruns
             the stages that use it."""
-            return {_canonical(dist): _version(dist) for name in _ids(self.model_dump(include={"id", "args"}))
+            names = _ids(self.model_dump(include={"id", "args"}))
+            return {_canonical(dist): distribution_version(dist) for name in names
                     if not _builtin(_module_of(name)) for dist in _distributions().get(_module_of(name), [])}
 
         @computed_field
@@ -264,13 +266,6 @@ def _canonical(distribution: str) -> str:
 @lru_cache(maxsize=1)
 def _distributions() -> dict[str, list[str]]:
     return importlib.metadata.packages_distributions()
-
-
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _row_text(row: dict) -> str:

@@ -12,6 +12,7 @@ ids and log-probs of every call, merged per episode while the calls extend each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
@@ -20,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import Field
 
@@ -108,10 +109,9 @@ class _Call:
         def put(f=self.future):
             if not f.done():
                 (f.set_exception if isinstance(value, BaseException) else f.set_result)(value)
-        try:
+        # the episodes are over and their loop is closed: nobody waits for this answer
+        with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(put)
-        except RuntimeError:  # the episodes are over and their loop is closed: nobody waits for this answer
-            pass
 
 
 class DrivenEpisodes:
@@ -249,7 +249,7 @@ class DrivenEpisodes:
         if body["tools"]:
             parsed = self.fmt.parse(text, {t["function"]["name"]: t for t in body["tools"]})
             calls = [{"id": f"call_{sample.turns}_{k}", "type": "function",
-                      "function": {"name": c.name, "arguments": _json(c.arguments)}}
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
                      for k, c in enumerate(parsed) if c.error is None]
             if calls:
                 content = self.fmt.call.sub("", text).strip() or None
@@ -375,7 +375,3 @@ async def in_own_thread(fn, *args):
 
     threading.Thread(target=run, daemon=True).start()
     return await future
-
-
-def _json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)

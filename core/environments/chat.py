@@ -27,8 +27,7 @@ class TemplateError(AlignflowError):
 def render(tokenizer, messages: list[Message], tools: list[dict] | None, generation_prompt: bool) -> str:
     """The chat template's text for `messages` (the tokenizer's own template; no template: contents joined)."""
     if not getattr(tokenizer, "chat_template", None):
-        text = "".join(m["content"] + (tokenizer.eos_token if m["role"] == "assistant" else "") for m in messages)
-        return text
+        return "".join(m["content"] + (tokenizer.eos_token if m["role"] == "assistant" else "") for m in messages)
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                          add_generation_prompt=generation_prompt)
 

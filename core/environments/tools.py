@@ -3,6 +3,7 @@ model turn in its chat template's format; calls run so that nothing a model writ
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -100,10 +101,8 @@ class ToolFormat:
             return ToolCall("", {}, "malformed tool call: no tool name")
         arg = arg.strip()
         if arg.startswith("{"):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 return ToolCall(name, json.loads(arg))
-            except json.JSONDecodeError:
-                pass
         parameters = tools.get(name, {}).get("function", {}).get("parameters", {})
         params = parameters.get("required", [])
         if not params:

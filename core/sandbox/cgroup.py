@@ -111,14 +111,6 @@ class MemoryCgroup:
         """`command`, started by a shell that first moves itself into this cgroup."""
         return [SHELL, "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(self.folder), *command]
 
-    def peak_bytes(self) -> int | None:
-        """The most memory the cgroup's processes held at once (None where the kernel does not say)."""
-        name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
-        try:
-            return int((self.folder / name).read_text())
-        except (OSError, ValueError):
-            return None
-
     def remove(self) -> None:
         """Remove the cgroup once its processes are gone (they were killed: the kernel may still be reaping)."""
         for _ in range(200):

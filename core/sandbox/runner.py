@@ -27,6 +27,7 @@ forge a setup failure (exit status and output are its own and never read as the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import marshal
@@ -325,7 +326,8 @@ class Sandbox:
             return self.result
         if self.proc.poll() is None:
             self.timed_out |= self.remaining() <= 0
-            _kill_group(self.proc.pid)  # namespaces: bwrap's own death takes the pid namespace
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already empty
+                os.killpg(self.proc.pid, signal.SIGKILL)  # namespaces: bwrap's own death takes the pid namespace
         self.proc.wait()
         if self.uid is not None and self.isolation == "namespaces":
             for _ in range(500):  # the kernel is still tearing the pid namespace down: wait for it
@@ -344,10 +346,8 @@ class Sandbox:
 
     def _release(self) -> None:
         for fd in (self._to_child, self._from_child):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._to_child = self._from_child = -1
         self._out.close()
         self._err.close()
@@ -368,13 +368,6 @@ def _ready(fd: int, event: int, seconds: float) -> bool:
     poller = select.poll()
     poller.register(fd, event)
     return bool(poller.poll(max(0, int(seconds * 1000) + 1)))
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass  # the group is already empty
 
 
 RUN_SCRIPT = """

@@ -131,9 +131,6 @@ class StageKind:
         """Whether `stage`'s row schema is known only once its plugins load (its algorithm's, or its rewards')."""
         return self.schema_needs_plugins or self.plays_episodes(stage)
 
-    def required_inputs(self) -> list[str]:
-        return sorted(self.required)
-
 
 MODEL, DATASET = "model", "dataset"
 TRAIN_INPUTS = {"model": MODEL, "dataset": DATASET, "eval_dataset": DATASET}

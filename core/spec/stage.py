@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from alignflow.core.contracts import PluginConfig, StageKind, plugin_config_model
+from alignflow.core.contracts import StageKind, plugin_config_model
 from alignflow.core.environments.mcp import McpServer
 from alignflow.core.errors import PluginError, SpecError
 from alignflow.core.spec.kinds import settings_model

@@ -122,16 +122,11 @@ class AdaptersOff(torch.nn.Module):
         """The policy module (packing probes its class, which shares the base's attention)."""
         return self._policy[0]
 
-    @property
-    def config(self):
-        return self.module.config
+    config = property(lambda self: self.module.config)
+    device = property(lambda self: self.module.device)
 
     def parameters(self, recurse: bool = True):
         return self.module.parameters(recurse)
-
-    @property
-    def device(self):
-        return self.module.device
 
     def forward(self, *args, **kwargs):
         policy = self.module

@@ -14,6 +14,7 @@ filesystem and the step a rerun resumes from; the stage fails (the pipeline's er
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -197,10 +198,8 @@ def _size(folder: Path) -> int:
     """Bytes in the files under `folder`; those that vanish meanwhile (another rank's cleanup) count 0."""
     total = 0
     for path in folder.rglob("*"):
-        try:
+        with contextlib.suppress(OSError):
             total += path.stat().st_size if path.is_file() else 0
-        except OSError:
-            pass
     return total
 
 

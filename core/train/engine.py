@@ -31,7 +31,6 @@ import atexit
 import logging
 import math
 import os
-import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -65,18 +64,12 @@ from alignflow.core.train import checkpoint, own_group, precision  # noqa: E402
 from alignflow.core.train.allocator import keep_freed_memory  # noqa: E402
 from alignflow.core.rl.aggregation import StepNorm  # noqa: E402
 from alignflow.core.errors import AlignflowError  # noqa: E402
+from alignflow.core.servers import free_port  # noqa: E402
 from alignflow.core.spec.settings import TrainSettings  # noqa: E402
 from alignflow.core.train.optim import ds_config, lr_lambda, optimizer_for  # noqa: E402
 
 log = logging.getLogger(__name__)
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # it logs its whole config at INFO
-
-
-def free_port() -> int:
-    """A free local port for a process group's rendezvous, so concurrent groups do not collide."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> None:

@@ -204,9 +204,7 @@ class ValueModel(torch.nn.Module):
             return sequence_scores(self.classifier, input_ids, attention_mask)
         return token_values(self.classifier, input_ids, attention_mask)
 
-    @property
-    def config(self):
-        return self.classifier.config
+    config = property(lambda self: self.classifier.config)
 
     def save_pretrained(self, out, state_dict: dict[str, Tensor]) -> None:
         prefix = "classifier."

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from alignflow.core.errors import SpecError
+from alignflow.core.servers import free_port
 from alignflow.flows.options import Nodes
 
 log = logging.getLogger(__name__)
@@ -148,8 +149,6 @@ def launch_config(run_id: str, local_ranks: int, nodes: Nodes) -> Iterator:
     """torch's LaunchConfig for one stage's ranks on this node; its log folder is removed after."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
-
-    from alignflow.core.train.engine import free_port  # the engine imports DeepSpeed: not for the CLI's startup
 
     register_backend()
     loopback = nodes.host in ("127.0.0.1", "localhost", "::1")

@@ -14,6 +14,7 @@ SIGTERMs the flow run, whose stage unwinds (its lock released, its checkpoints k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -97,10 +98,8 @@ def ensure_process_pool(name: str) -> None:
     from prefect.exceptions import ObjectAlreadyExists
 
     with get_client(sync_client=True) as client:
-        try:
+        with contextlib.suppress(ObjectAlreadyExists):
             client.create_work_pool(WorkPoolCreate(name=name, type="process"))
-        except ObjectAlreadyExists:
-            pass
 
 
 def deploy_stage_flow(pool: str) -> str:

@@ -10,6 +10,7 @@ ranks. The error raised names the rank that failed first in cause: a rank that o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -24,7 +25,6 @@ from alignflow.flows.launch.nodes import connect, failures, launch_config, publi
 from alignflow.flows.options import Nodes
 from alignflow.flows.stages import StageContext, StageResult
 
-log = logging.getLogger(__name__)
 CAUSE_WAIT_S = 10.0  # after ranks here lost their peers: how long to wait for another node's report of why
 
 
@@ -123,10 +123,8 @@ class _Gather:
 
     def stop_ranks(self) -> None:
         for pid in self.pids.values():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def _publish(self, rank: int, what: str, lost_peers: bool) -> None:
         if self.board is not None:

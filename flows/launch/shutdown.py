@@ -222,10 +222,8 @@ def stop_processes(pids: list[int], grace: float = GRACE_S) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p, start in started.items():
             if start is not None and process_start(p) == start:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 1.0)
         while time.monotonic() < deadline and any(process_start(p) == s for p, s in started.items() if s):
             time.sleep(0.05)
@@ -323,11 +321,10 @@ for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 1.0)):
 
 def start_watchdog() -> subprocess.Popen:
     """A process that outlives this one only to stop what this one leaves running if it is killed."""
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()),
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(os.getpid()),
                              str(process_start(os.getpid()))],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    return proc
 
 
 def close_dead_runs(client, experiment_id: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""What the offline stages (sft, preference, reward_model) share: rows, the step loop, held-out metrics.
+"""What the offline stages (sft, preference, reward_model, prm) share: rows, the step loop, held-out metrics.
 
 A stage describes how its rows become the algorithm's batch with a `Feed`; the loop below never
 looks inside the batch, so every algorithm of the stage runs through the same code.
@@ -18,8 +18,10 @@ from alignflow.core.errors import DataError
 from alignflow.core.train.offline import Mean
 from alignflow.core.progress import progress
 from alignflow.core.train.dist import gathered
-from alignflow.flows.stages import StageContext
-from alignflow.flows.stages.training import micro_slices, step_rows
+from alignflow.core.train.engine import Engine
+from alignflow.flows.stages import StageContext, StageResult
+from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, micro_slices, model_source,
+                                             save_pretrained, step_rows, total_steps)
 
 
 @dataclass
@@ -164,3 +166,30 @@ def final_metrics(train: dict[str, float], held_out: dict[str, float], steps: in
     out = {f"train/{k}": v for k, v in train.items() if k not in ("lr", "grad_norm")}
     out.update({f"eval/{k}": v for k, v in held_out.items()})
     return {**out, "steps": float(steps)}
+
+
+def train_value_model(ctx: StageContext, schema: str, make_feed: Callable[[Engine, Any], Feed],
+                      **tokenize_options) -> StageResult:
+    """Train the value head and body on `schema` rows through `make_feed(engine, tokenizer)`, report held-out
+    accuracy, save the checkpoint: the `reward_model` and `prm` stages. `tokenize_options` (the `prm` stage's
+    step_separator) are also written into the saved model's config, for the reward that scores the same text."""
+    s = ctx.settings
+    algo = ctx.resolved.algorithm.build()
+    with model_source(ctx) as src:
+        tokenizer = load_tokenizer_for(ctx, src)
+        model = load_model_for(ctx, src, value_head=True)
+    held_out = load_rows(ctx.inputs["eval_dataset"], schema) if "eval_dataset" in ctx.inputs else None
+    train, held_out = split_rows(ctx, tokenizer, schema, held_out, **tokenize_options)
+
+    steps = total_steps(len(train), s)
+    torch.manual_seed(ctx.seed)
+    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent, auto_precision=ctx.options.auto_precision)
+    feed = make_feed(engine, tokenizer)
+    last = train_loop(ctx, engine, algo, train, feed)
+    final = final_metrics(last, held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size), steps)
+    for key, value in tokenize_options.items():
+        setattr(engine.module.config, key, value)
+    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
+    ctx.log_metrics(final, engine.step_count)
+    headline = "eval/accuracy" if "eval/accuracy" in final else "train/accuracy"
+    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())

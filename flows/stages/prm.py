@@ -11,13 +11,10 @@ from __future__ import annotations
 import torch
 
 from alignflow.core.train.batching import collate
-from alignflow.core.train.datasets import IGNORE_INDEX, load_rows
-from alignflow.core.train.engine import Engine
+from alignflow.core.train.datasets import IGNORE_INDEX
 from alignflow.core.train.offline import StepBatch
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, save_pretrained,
-                                             total_steps)
+from alignflow.flows.stages.offline_loop import Feed, train_value_model
 
 
 def step_major(values: torch.Tensor, labels: torch.Tensor) -> StepBatch:
@@ -49,23 +46,5 @@ def step_feed(engine, pad_id: int) -> Feed:
 
 def run_prm(ctx: StageContext) -> StageResult:
     """Train the value head and body on step labels, report held-out step accuracy, save the checkpoint."""
-    s = ctx.settings
-    algo = ctx.resolved.algorithm.build()
-    with model_source(ctx) as src:
-        tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src, value_head=True)
-    held_out = load_rows(ctx.inputs["eval_dataset"], "steps") if "eval_dataset" in ctx.inputs else None
-    train, held_out = split_rows(ctx, tokenizer, "steps", held_out, step_separator=s.step_separator)
-
-    steps = total_steps(len(train), s)
-    torch.manual_seed(ctx.seed)
-    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent, auto_precision=ctx.options.auto_precision)
-    feed = step_feed(engine, tokenizer.pad_token_id)
-    last = train_loop(ctx, engine, algo, train, feed)
-    held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size)
-    final = final_metrics(last, held, steps)
-    engine.module.config.step_separator = s.step_separator
-    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
-    ctx.log_metrics(final, engine.step_count)
-    headline = "eval/accuracy" if "eval/accuracy" in final else "train/accuracy"
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())
+    return train_value_model(ctx, "steps", lambda engine, tokenizer: step_feed(engine, tokenizer.pad_token_id),
+                             step_separator=ctx.settings.step_separator)

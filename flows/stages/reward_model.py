@@ -10,13 +10,9 @@ from __future__ import annotations
 import torch
 
 from alignflow.core.train.batching import collate
-from alignflow.core.train.datasets import load_rows
-from alignflow.core.train.engine import Engine
 from alignflow.core.train.offline import RewardBatch
 from alignflow.flows.stages import StageContext, StageResult
-from alignflow.flows.stages.offline_loop import Feed, final_metrics, held_out_metrics, split_rows, train_loop
-from alignflow.flows.stages.training import (load_model_for, load_tokenizer_for, model_source, save_pretrained,
-                                             total_steps)
+from alignflow.flows.stages.offline_loop import Feed, train_value_model
 
 SIDES = ("chosen", "rejected")
 
@@ -52,22 +48,5 @@ def reward_feed(engine, pad_id: int, eos_id: int | None) -> Feed:
 
 def run_reward_model(ctx: StageContext) -> StageResult:
     """Train the value head and body on pairs, report held-out pairwise accuracy, save the checkpoint."""
-    s = ctx.settings
-    algo = ctx.resolved.algorithm.build()
-    with model_source(ctx) as src:
-        tokenizer = load_tokenizer_for(ctx, src)
-        model = load_model_for(ctx, src, value_head=True)
-    held_out = load_rows(ctx.inputs["eval_dataset"], "pairwise") if "eval_dataset" in ctx.inputs else None
-    train, held_out = split_rows(ctx, tokenizer, "pairwise", held_out)
-
-    steps = total_steps(len(train), s)
-    torch.manual_seed(ctx.seed)
-    engine = Engine.create(model, s, steps, ctx.checkpoint_dir.parent, auto_precision=ctx.options.auto_precision)
-    feed = reward_feed(engine, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    last = train_loop(ctx, engine, algo, train, feed)
-    held = held_out_metrics(engine, algo, held_out, feed, s.micro_batch_size)
-    final = final_metrics(last, held, steps)
-    out = save_pretrained(engine, tokenizer, ctx.work_dir / "model")
-    ctx.log_metrics(final, engine.step_count)
-    headline = "eval/accuracy" if "eval/accuracy" in final else "train/accuracy"
-    return StageResult(outputs={"model": out}, metrics=final, headline=headline, fingerprint=engine.fingerprint())
+    return train_value_model(ctx, "pairwise", lambda engine, tokenizer: reward_feed(
+        engine, tokenizer.pad_token_id, tokenizer.eos_token_id))

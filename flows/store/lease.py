@@ -16,6 +16,7 @@ times: the machines' clocks must agree to well within a lease (NTP keeps them wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,10 +186,8 @@ class LeaseLock:
             return None
 
     def _remove(self, number: int) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(number))
-        except FileNotFoundError:
-            pass
 
 
 def release_held() -> None:
