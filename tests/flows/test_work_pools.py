@@ -110,8 +110,9 @@ def project(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cpu_worker(project):
-    """One worker of pool `cpu`, for the data stages, for the whole module."""
+def cpu_worker(prefect_server, project):
+    """One worker of pool `cpu`, for the data stages, for the whole module (on the suite's server: its address is
+    set only once that server started)."""
     with worker("cpu", project / "worker-cpu.log") as proc:
         yield proc
 
