@@ -132,11 +132,11 @@ class Rollout:
         """The loss's view of rows `index`: current `logprobs`/`values` and `policy_weights` of those rows;
         rollout-wide `advantages`/`returns` are sliced here."""
         rows = self.select(index)
-        as_rolled_out = ("old_logprobs", "response_mask", "group", "correct", "guided", "ref_logprobs",
-                         "teacher_logprobs", "sampler_logprobs")  # the rows' own, under the same names
-        return PolicyBatch(logprobs=logprobs, advantages=advantages[index], values=values, old_values=rows.values,
-                           returns=None if returns is None else returns[index], policy_weights=policy_weights,
-                           **{name: getattr(rows, name) for name in as_rolled_out})
+        return PolicyBatch(logprobs=logprobs, old_logprobs=rows.old_logprobs, advantages=advantages[index],
+                           response_mask=rows.response_mask, group=rows.group, correct=rows.correct,
+                           guided=rows.guided, ref_logprobs=rows.ref_logprobs, teacher_logprobs=rows.teacher_logprobs,
+                           sampler_logprobs=rows.sampler_logprobs, values=values, old_values=rows.values,
+                           returns=None if returns is None else returns[index], policy_weights=policy_weights)
 
 
 def _is_rows(rollout: Rollout, name: str) -> bool:
